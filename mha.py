@@ -1,0 +1,745 @@
+"""
+Multi-head attention, and its grouped-query (GQA) and multi-query (MQA) variants, in one file.
+
+What this file shows, top to bottom:
+  1. CausalMHA: causal self-attention with one knob, n_kv_heads. n_kv_heads == n_heads is multi-head
+     attention (MHA, Vaswani et al. 2017); a divisor of n_heads is grouped-query attention (GQA, Ainslie
+     et al. 2023), where each group of query heads shares one key/value head; 1 is multi-query attention
+     (MQA, Shazeer 2019), where all query heads share a single key/value head.
+  2. The proof that the reshapes are right: PyTorch's own nn.MultiheadAttention, with its weights copied
+     in, gives the same output to the last bit (max difference exactly 0.0).
+  3. The KV cache in bytes, for a Llama-7B-shaped model and for published models: during generation
+     every past token's keys and values are kept, and that cache, not the weights, caps how many users a
+     GPU can serve. Sharing K/V heads shrinks it by n_heads / n_kv_heads.
+  4. Decoding with a real cache, token by token, and timed: a decode step reads the whole cache once, so
+     its time grows with the context, and GQA/MQA are faster only if K/V are never copied back to n_heads.
+  5. Figures: per-head attention maps, cache sizes, which query heads share which K/V head, decode time.
+
+What it deliberately does not do: train anything (the weights are random, so the attention maps show
+the causal triangle, not learned roles), dropout, padding masks, cross-attention, positional encodings.
+
+Run it:   python mha.py                     (a few seconds on a laptop CPU; writes figures/)
+          python mha.py --n-kv-heads 2      (or edit N_KV_HEADS below, and rerun)
+
+Papers: Vaswani et al. 2017, "Attention Is All You Need", arXiv:1706.03762.
+        Shazeer 2019, "Fast Transformer Decoding: One Write-Head Is All You Need", arXiv:1911.02150.
+        Ainslie et al. 2023, "GQA: Training Generalized Multi-Query Transformer Models from Multi-Head
+        Checkpoints", arXiv:2305.13245.
+
+Shapes, one alphabet throughout:
+  B batch, T tokens in this call, d model width, h query heads, kv key/value heads, g = h / kv query heads
+  per K/V head, dh = d / h head width, S keys a query can see (cached tokens plus the new ones).
+"""
+
+import argparse
+import gc
+import io
+import math
+import os
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# ----------------------------------------------------------------------------- knobs
+N_HEADS = 8          # h: query heads of the demo model
+N_KV_HEADS = 4       # kv: key/value heads. 8 = MHA, 4 or 2 = GQA, 1 = MQA. Change it and rerun.
+D_MODEL = 256        # d: model width, so each head is dh = 256 / 8 = 32 wide
+SEQ_LEN = 12         # T: tokens in the demo sequence (and the side of each attention map)
+BATCH = 2            # B: sequences in the demo batch
+SEED = 0             # every random number in the run comes from this seed
+OUT_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "figures")
+
+# The KV-cache table: a Llama-7B-shaped model (32 layers, 32 query heads of width 128), fp16, 4k tokens.
+CACHE_LAYERS, CACHE_HEADS, CACHE_D_HEAD = 32, 32, 128
+CACHE_TOKENS = 4096
+CACHE_BYTES_PER_ELEM = 2          # fp16
+GPU_CACHE_GB = 40                 # memory set aside for the cache on one GPU, GB (1 GB = 1e9 bytes)
+
+# Decode timing: one layer's attention over its cache, Llama-like heads, fp32 on this CPU.
+DECODE_HEADS, DECODE_D_HEAD = 32, 128
+DECODE_CONTEXTS = (256, 512, 1024, 2048, 4096, 8192)
+DECODE_KV_HEADS = {"MHA": 32, "GQA-8": 8, "GQA-4": 4, "MQA": 1}
+
+# Published shapes: (layers, query heads, K/V heads, head width).
+PUBLISHED_MODELS = {
+    "Llama-2-7B": (32, 32, 32, 128),
+    "Llama-2-70B": (80, 64, 8, 128),
+    "Llama-3-8B": (32, 32, 8, 128),
+    "Mistral-7B": (32, 32, 8, 128),
+    "Falcon-7B": (32, 71, 1, 64),
+    "Falcon-40B": (60, 128, 8, 64),
+    "Gemma-2B": (18, 8, 1, 256),
+}
+
+
+# ----------------------------------------------------------------------------- the module
+def check_heads(d_model, n_heads, n_kv_heads):
+    """Raise ValueError, in one sentence naming the values and the rule, unless the shapes fit."""
+    for name, value in (("d_model", d_model), ("n_heads", n_heads), ("n_kv_heads", n_kv_heads)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{name} must be a whole number, got {value!r}")
+    if n_heads < 1:
+        raise ValueError(f"n_heads must be at least 1, got {n_heads}")
+    if d_model < 1 or d_model % n_heads:
+        raise ValueError(f"d_model={d_model} must be a positive multiple of n_heads={n_heads}")
+    if not 1 <= n_kv_heads <= n_heads or n_heads % n_kv_heads:
+        raise ValueError(
+            f"n_kv_heads={n_kv_heads} must divide n_heads={n_heads} "
+            f"(1 = MQA, {n_heads} = MHA, a divisor in between = GQA)"
+        )
+
+
+def attention_kind(n_heads, n_kv_heads):
+    """'MHA', 'MQA' or 'GQA-<kv>'.  attention_kind(8, 8) == 'MHA'; attention_kind(32, 8) == 'GQA-8'."""
+    if n_kv_heads == n_heads:
+        return "MHA"
+    return "MQA" if n_kv_heads == 1 else f"GQA-{n_kv_heads}"
+
+
+def causal_mask(T, S, dtype=torch.float32):
+    """(T, S) additive mask: 0 where new token i may see key j, -inf where j lies in its future.
+
+    The T new tokens are the last T of the S keys, so token i sees keys 0 .. S - T + i.
+    causal_mask(2, 3) == [[0, 0, -inf], [0, 0, 0]]
+    """
+    return torch.full((T, S), float("-inf"), dtype=dtype).triu(S - T + 1)
+
+
+def attend(q, k, v, need_weights=False):
+    """softmax(q k^T / sqrt(dh) + causal mask) v, where each K/V head serves its g query heads in place.
+
+    q: (B, h, T, dh), the queries of the T newest tokens; k, v: (B, kv, S, dh), all keys and values so
+    far, the T newest last. Returns o: (B, h, T, dh) and, with need_weights, p: (B, h, T, S).
+
+    Query head i reads K/V head i // g, so consecutive query heads form a group (h=4, kv=2, g=2):
+
+        query heads   q0  q1 | q2  q3          the same picture as k.repeat_interleave(g, dim=1),
+        K/V heads       k0   |   k1            [k0, k0, k1, k1]; NOT k.repeat(1, g, 1, 1),
+                                               [k0, k1, k0, k1], which silently pairs q1 with k1.
+
+    Instead of copying k and v g times, stack each group's g queries as g*T rows of one "head" of
+    width dh, so a single K/V head is read once by all of them: the sharing costs no memory.
+    """
+    B, h, T, dh = q.shape
+    kv, S = k.shape[1], k.shape[2]
+    g = h // kv
+    q = q.reshape(B, kv, g * T, dh)                        # (B, kv, g*T, dh), rows in (g, T) order
+    mask = causal_mask(T, S, q.dtype).repeat(g, 1)         # (g*T, S), one copy of the mask per head
+    if need_weights:
+        # The order nn.MultiheadAttention uses when it returns weights: scale q by sqrt(1/dh) first,
+        # then q k^T + mask in one baddbmm. Any other order can change the last bit.
+        q = q * math.sqrt(1.0 / dh)
+        scores = torch.baddbmm(mask, q.reshape(B * kv, g * T, dh),  # (B*kv, g*T, dh)
+                               k.reshape(B * kv, S, dh).transpose(1, 2))  # (B*kv, dh, S)
+        p = scores.softmax(dim=-1)                         # (B*kv, g*T, S)
+        o = torch.bmm(p, v.reshape(B * kv, S, dh))         # (B*kv, g*T, dh)
+        return o.view(B, h, T, dh), p.view(B, h, T, S)
+    # A single new token sees every key, so a decode step needs no mask at all.
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask if T > 1 else None)  # (B, kv, g*T, dh)
+    return o.reshape(B, h, T, dh), None                    # (B, h, T, dh)
+
+
+def attend_by_copying(q, k, v):
+    """The counter-example: attention after copying each K/V head g times back up to h heads.
+
+    It gives the right answer, but a decode step then writes and reads an MHA-sized copy of the whole
+    cache, so MQA becomes slower than MHA: the memory that GQA saved is spent again on every token.
+    Kept only to be measured against attend().
+    """
+    g = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(g, dim=1)                      # (B, h, S, dh), a real copy
+    v = v.repeat_interleave(g, dim=1)                      # (B, h, S, dh)
+    return F.scaled_dot_product_attention(q, k, v)         # (B, h, 1, dh): a decode step, no mask
+
+
+@dataclass
+class KVCache:
+    """Keys and values of every token seen so far, preallocated to max_len tokens.
+
+    k, v: (B, kv, max_len, dh); only the first `length` positions hold tokens. Setting `length` back
+    rewinds the cache (what is after it is overwritten by the next step).
+    """
+    k: torch.Tensor
+    v: torch.Tensor
+    length: int = 0
+
+    @property
+    def nbytes(self):
+        return self.k.nbytes + self.v.nbytes
+
+    def append(self, k, v):
+        """Write k, v: (B, kv, T, dh) after the cached tokens; return all of them, (B, kv, S, dh)."""
+        S = self.length + k.shape[2]
+        self.k[:, :, self.length:S] = k
+        self.v[:, :, self.length:S] = v
+        self.length = S
+        return self.k[:, :, :S], self.v[:, :, :S]
+
+
+class CausalMHA(nn.Module):
+    """Causal self-attention with h query heads and kv key/value heads (MHA, GQA or MQA).
+
+    One input projection makes q, k and v. Its output rows are every query head, then every key head,
+    then every value head, dh rows each: with kv == h exactly nn.MultiheadAttention's in_proj_weight.
+    """
+
+    def __init__(self, d_model, n_heads, n_kv_heads=None, bias=True):
+        super().__init__()
+        n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
+        check_heads(d_model, n_heads, n_kv_heads)
+        self.d_model, self.n_heads, self.n_kv_heads = d_model, n_heads, n_kv_heads
+        self.d_head = d_model // n_heads
+        self.in_proj = nn.Linear(d_model, (n_heads + 2 * n_kv_heads) * self.d_head, bias=bias)
+        self.out_proj = nn.Linear(d_model, d_model, bias=bias)
+
+    def forward(self, x, need_weights=False, cache=None):
+        """x: (B, T, d) -> y: (B, T, d), or (y, attention weights (B, h, T, S)) with need_weights.
+
+        With a cache, x holds only the new tokens: their keys and values are appended to the cache and
+        they attend to everything cached before them and to each other, causally.
+        """
+        B, T = self._check_input(x, cache)
+        h, kv, dh = self.n_heads, self.n_kv_heads, self.d_head
+        # Project time-major, as nn.MultiheadAttention does: it turns (B, T, d) into (T, B, d) first.
+        # Through that transposed view nn.Linear multiplies, then adds the bias; on a contiguous input
+        # it would fold the bias into the matrix multiply instead, a different rounding. That alone
+        # moves the output by about 1e-4, so the bit-exact check below depends on this one transpose.
+        qkv = self.in_proj(x.transpose(0, 1))              # (T, B, (h + 2kv) dh)
+        q, k, v = qkv.split([h * dh, kv * dh, kv * dh], dim=-1)
+        q = q.view(T, B, h, dh).permute(1, 2, 0, 3)        # (B, h, T, dh)
+        k = k.view(T, B, kv, dh).permute(1, 2, 0, 3)       # (B, kv, T, dh)
+        v = v.view(T, B, kv, dh).permute(1, 2, 0, 3)       # (B, kv, T, dh)
+        if cache is not None:
+            k, v = cache.append(k, v)                      # (B, kv, S, dh), S = cached + T
+        o, p = attend(q, k, v, need_weights)               # (B, h, T, dh)
+        o = o.permute(2, 0, 1, 3).reshape(T * B, h * dh)   # (T*B, d): heads side by side again
+        y = self.out_proj(o).view(T, B, -1).transpose(0, 1)  # (B, T, d)
+        return (y, p) if need_weights else y
+
+    def _check_input(self, x, cache):
+        if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[-1] != self.d_model:
+            got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+            raise ValueError(f"x must have shape (B, T, {self.d_model}), got {got}")
+        B, T = x.shape[0], x.shape[1]
+        if T < 1 or B < 1:
+            raise ValueError(f"x must hold at least one token of one sequence, got shape {tuple(x.shape)}")
+        if cache is not None:
+            want = (B, self.n_kv_heads, cache.k.shape[2], self.d_head)
+            if tuple(cache.k.shape) != want:
+                raise ValueError(f"the cache holds K of shape {tuple(cache.k.shape)}, this call needs {want}")
+            if cache.length + T > cache.k.shape[2]:
+                raise ValueError(
+                    f"the cache holds {cache.length} of at most {cache.k.shape[2]} tokens "
+                    f"and cannot take {T} more"
+                )
+        return B, T
+
+    def new_cache(self, batch, max_len):
+        """An empty KVCache for `batch` sequences of up to `max_len` tokens, in this module's dtype."""
+        if batch < 1 or max_len < 1:
+            raise ValueError(f"a cache needs batch >= 1 and max_len >= 1, got batch={batch}, max_len={max_len}")
+        shape = (batch, self.n_kv_heads, max_len, self.d_head)      # (B, kv, max_len, dh)
+        dtype = self.in_proj.weight.dtype
+        return KVCache(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype))
+
+    @classmethod
+    def from_torch(cls, ref):
+        """A CausalMHA (MHA) with the weights of an nn.MultiheadAttention(d, h, batch_first=True)."""
+        if not (ref.batch_first and ref._qkv_same_embed_dim and ref.bias_k is None and not ref.add_zero_attn):
+            raise ValueError("from_torch copies only nn.MultiheadAttention(d, h, batch_first=True) "
+                             "without kdim, vdim, add_bias_kv or add_zero_attn")
+        if ref.dropout:
+            raise ValueError(f"from_torch needs dropout=0.0 (CausalMHA has no dropout), got {ref.dropout}")
+        has_bias = ref.in_proj_bias is not None
+        attn = cls(ref.embed_dim, ref.num_heads, bias=has_bias).to(ref.in_proj_weight.dtype)
+        with torch.no_grad():
+            attn.in_proj.weight.copy_(ref.in_proj_weight)
+            attn.out_proj.weight.copy_(ref.out_proj.weight)
+            if has_bias:
+                attn.in_proj.bias.copy_(ref.in_proj_bias)
+                attn.out_proj.bias.copy_(ref.out_proj.bias)
+        return attn.train(ref.training)
+
+    def to_torch(self):
+        """The nn.MultiheadAttention computing the same function, K/V heads copied out to h heads.
+
+        For MHA this is the exact inverse of from_torch. For GQA/MQA each K/V head's dh rows of weights
+        are repeated for its g query heads (repeat_interleave: [k0, k0, k1, k1], as in attend()).
+        """
+        h, kv, dh, d = self.n_heads, self.n_kv_heads, self.d_head, self.d_model
+        g = h // kv
+        has_bias = self.in_proj.bias is not None
+        dtype = self.in_proj.weight.dtype
+        ref = nn.MultiheadAttention(d, h, bias=has_bias, batch_first=True, dtype=dtype)
+
+        def widen(t):                                      # rows (h + 2kv) dh -> (3h) dh
+            q, k, v = t.split([h * dh, kv * dh, kv * dh])
+            k = k.unflatten(0, (kv, dh)).repeat_interleave(g, dim=0).flatten(0, 1)  # (h*dh, ...)
+            v = v.unflatten(0, (kv, dh)).repeat_interleave(g, dim=0).flatten(0, 1)  # (h*dh, ...)
+            return torch.cat([q, k, v])
+
+        with torch.no_grad():
+            ref.in_proj_weight.copy_(widen(self.in_proj.weight))
+            ref.out_proj.weight.copy_(self.out_proj.weight)
+            if has_bias:
+                ref.in_proj_bias.copy_(widen(self.in_proj.bias))
+                ref.out_proj.bias.copy_(self.out_proj.bias)
+        return ref.train(self.training)
+
+
+# ----------------------------------------------------------------------------- checks against PyTorch
+def max_diff_vs_torch(attn, x, ref=None, need_weights=False):
+    """max |ours - nn.MultiheadAttention| on x, for the output (and the per-head weights if asked).
+
+    ref defaults to attn.to_torch(). The reference gets the float causal mask (-inf above the
+    diagonal), as a user of PyTorch would write it. Returns (output diff, weights diff or None).
+    """
+    ref = attn.to_torch() if ref is None else ref
+    T = x.shape[1]
+    with torch.no_grad():
+        y_ref, w_ref = ref(x, x, x, attn_mask=causal_mask(T, T, x.dtype), need_weights=need_weights,
+                           average_attn_weights=False)
+        if not need_weights:
+            return (attn(x) - y_ref).abs().max().item(), None
+        y, w = attn(x, need_weights=True)
+    return (y - y_ref).abs().max().item(), (w - w_ref).abs().max().item()
+
+
+def max_diff_vs_sdpa(attn, x):
+    """max |ours - F.scaled_dot_product_attention(enable_gqa=True)| on x, projections done by hand."""
+    B, T, _ = x.shape
+    h, kv, dh = attn.n_heads, attn.n_kv_heads, attn.d_head
+    with torch.no_grad():
+        q, k, v = attn.in_proj(x).split([h * dh, kv * dh, kv * dh], dim=-1)
+        q = q.view(B, T, h, dh).transpose(1, 2)            # (B, h, T, dh)
+        k = k.view(B, T, kv, dh).transpose(1, 2)           # (B, kv, T, dh)
+        v = v.view(B, T, kv, dh).transpose(1, 2)           # (B, kv, T, dh)
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)  # (B, h, T, dh)
+        y_ref = attn.out_proj(o.transpose(1, 2).reshape(B, T, h * dh))  # (B, T, d)
+        return (attn(x) - y_ref).abs().max().item()
+
+
+def swap_query_heads(attn, i, j):
+    """Swap the query rows of heads i and j in place: a copy with two heads in the wrong order.
+
+    Swapping two heads everywhere (their q, k, v rows and their columns of out_proj) would change
+    nothing, since the heads are summed in the end. Swapping them in one place only pairs head i's
+    queries with head j's keys: the kind of mistake a wrong reshape makes.
+    """
+    dh = attn.d_head
+    with torch.no_grad():
+        for t in (attn.in_proj.weight, attn.in_proj.bias):
+            if t is not None:
+                rows_i, rows_j = t[i * dh:(i + 1) * dh].clone(), t[j * dh:(j + 1) * dh].clone()
+                t[i * dh:(i + 1) * dh], t[j * dh:(j + 1) * dh] = rows_j, rows_i
+    return attn
+
+
+def report(label, diff, tol):
+    """Print one aligned line of evidence and return whether diff is within tol."""
+    ok = diff <= tol
+    rule = "must be exactly 0" if tol == 0 else f"tolerance {tol:.0e}"
+    print(f"  {label:<52} = {diff:.2e}  {'OK' if ok else 'FAIL'}  ({rule})")
+    return ok
+
+
+def random_biases(module, seed):
+    """Give every bias of module random values, in place, and return module.
+
+    nn.MultiheadAttention starts with zero biases, which would hide a bias copied to the wrong rows.
+    """
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0.0, 0.1)
+    return module
+
+
+def run_checks(n_kv_heads, seed):
+    """The evidence that the module is right. Returns True if every check passes."""
+    print(f"1. Checks against PyTorch (float32, B={BATCH}, T={SEQ_LEN}, d={D_MODEL}, h={N_HEADS})")
+    torch.manual_seed(seed)
+    ref = random_biases(nn.MultiheadAttention(D_MODEL, N_HEADS, batch_first=True).eval(), seed + 1)
+    x = torch.randn(BATCH, SEQ_LEN, D_MODEL)
+    mha = CausalMHA.from_torch(ref)
+    y_diff, _ = max_diff_vs_torch(mha, x, ref)
+    ok = report("MHA   max |ours - nn.MultiheadAttention|", y_diff, 0.0)
+    y_diff, w_diff = max_diff_vs_torch(mha, x, ref, need_weights=True)
+    ok &= report("MHA   same, need_weights=True: outputs", y_diff, 0.0)
+    ok &= report("MHA   same, need_weights=True: per-head weights", w_diff, 0.0)
+
+    kind = attention_kind(N_HEADS, n_kv_heads)
+    torch.manual_seed(seed + 2)
+    ours = random_biases(CausalMHA(D_MODEL, N_HEADS, n_kv_heads).eval(), seed + 3)
+    y_diff, _ = max_diff_vs_torch(ours, x)
+    ok &= report(f"{kind:<5} max |ours - nn.MHA with K/V heads repeated|", y_diff, 2e-6)
+    y_diff, w_diff = max_diff_vs_torch(ours, x, need_weights=True)
+    ok &= report(f"{kind:<5} same, need_weights=True: outputs", y_diff, 2e-6)
+    ok &= report(f"{kind:<5} same, need_weights=True: per-head weights", w_diff, 2e-6)
+    ok &= report(f"{kind:<5} max |ours - F.sdpa(enable_gqa=True)|", max_diff_vs_sdpa(ours, x), 2e-6)
+
+    broken, _ = max_diff_vs_torch(swap_query_heads(CausalMHA.from_torch(ref), 0, 1), x, ref)
+    print(f"  {'on purpose: query heads 0 and 1 swapped in the copy':<52} = {broken:.2e}  "
+          f"{'FAIL, as it must' if broken > 0 else 'NOT DETECTED'}")
+    return ok and broken > 0
+
+
+# ----------------------------------------------------------------------------- the KV cache, in bytes
+def kv_cache_bytes(n_layers, n_kv_heads, d_head, seq_len, batch=1, bytes_per_elem=2):
+    """Bytes of the KV cache: 2 (K and V) x layers x K/V heads x dh x tokens x batch x bytes per number.
+
+    kv_cache_bytes(32, 32, 128, 4096) == 2147483648   (Llama-7B shape, fp16, 4k tokens: 2.15 GB)
+    """
+    return 2 * n_layers * n_kv_heads * d_head * seq_len * batch * bytes_per_elem
+
+
+def gb(n_bytes):
+    return n_bytes / 1e9
+
+
+def print_cache_table(n_kv_heads):
+    """The Llama-7B-shaped table for MHA, GQA-8, GQA-4, MQA, and the knob's n_kv_heads if it is another."""
+    print(f"\n2. KV cache of a Llama-7B-shaped model ({CACHE_LAYERS} layers, {CACHE_HEADS} query heads, "
+          f"dh={CACHE_D_HEAD}, fp16, {CACHE_TOKENS} tokens, batch 1)")
+    print("   bytes = 2 (K and V) x layers x K/V heads x dh x tokens x bytes per number")
+    print("   GB = 1e9 bytes: 2^31 bytes is 2.15 GB but 2.00 GiB")
+    kv_list = sorted({CACHE_HEADS, 8, 4, 1} | ({n_kv_heads} if CACHE_HEADS % n_kv_heads == 0 else set()),
+                     reverse=True)
+    mha_bytes = kv_cache_bytes(CACHE_LAYERS, CACHE_HEADS, CACHE_D_HEAD, CACHE_TOKENS,
+                               bytes_per_elem=CACHE_BYTES_PER_ELEM)
+    print(f"   {'config':<8}{'n_kv_heads':>11}{'KV cache':>11}{'shrink':>8}")
+    for kv in kv_list:
+        n = kv_cache_bytes(CACHE_LAYERS, kv, CACHE_D_HEAD, CACHE_TOKENS, bytes_per_elem=CACHE_BYTES_PER_ELEM)
+        note = "   <- your n_kv_heads" if kv == n_kv_heads else ""
+        print(f"   {attention_kind(CACHE_HEADS, kv):<8}{kv:>11}{gb(n):>8.2f} GB{mha_bytes // n:>7}x{note}")
+
+
+def published_rows():
+    """(name, layers, h, kv, dh, bytes at 4096 tokens fp16, requests that fit in GPU_CACHE_GB)."""
+    rows = []
+    for name, (layers, h, kv, dh) in PUBLISHED_MODELS.items():
+        variants = [(name, kv)]
+        if name == "Llama-2-70B":        # the reference page's worked example, both ways
+            variants += [(f"{name} if MHA", h), (f"{name} if MQA", 1)]
+        for label, n_kv in variants:
+            n = kv_cache_bytes(layers, n_kv, dh, CACHE_TOKENS, bytes_per_elem=CACHE_BYTES_PER_ELEM)
+            rows.append((label, layers, h, n_kv, dh, n, int(GPU_CACHE_GB * 1e9 // n)))
+    return rows
+
+
+def print_published_table():
+    print(f"\n3. Published models at their own shapes (fp16, {CACHE_TOKENS} tokens, batch 1): "
+          f"how many requests fit in {GPU_CACHE_GB} GB of cache")
+    print(f"   {'model':<20}{'layers':>7}{'h':>5}{'kv':>5}{'dh':>5}  {'kind':<7}{'KV cache':>11}{'requests':>10}")
+    for label, layers, h, kv, dh, n, fit in published_rows():
+        print(f"   {label:<20}{layers:>7}{h:>5}{kv:>5}{dh:>5}  {attention_kind(h, kv):<7}"
+              f"{gb(n):>8.2f} GB{fit:>10}")
+    print("   The weights are paid once per GPU; the cache once per request. So the cache decides how many"
+          "\n   users one GPU serves at a time, and GQA/MQA multiply that number by h / kv.")
+
+
+# ----------------------------------------------------------------------------- decoding with a cache
+def check_cache(n_kv_heads, seed):
+    """Real caches: their bytes against the formula, and cached decoding against one full forward."""
+    print(f"\n4. Decoding with a real cache (d={D_MODEL}, h={N_HEADS}, dh={D_MODEL // N_HEADS}, fp32)")
+    ok, max_len = True, 512
+    for kv in sorted({N_HEADS, n_kv_heads, 1}, reverse=True):
+        cache = CausalMHA(D_MODEL, N_HEADS, kv).new_cache(batch=1, max_len=max_len)
+        want = kv_cache_bytes(1, kv, D_MODEL // N_HEADS, max_len, bytes_per_elem=4)
+        ok &= report(f"{attention_kind(N_HEADS, kv):<5} {max_len}-token cache: |nbytes - formula ({want:,})|",
+                     abs(cache.nbytes - want), 0)
+
+    # Feed the first half as one chunk, then one token at a time; compare with one forward over all.
+    torch.manual_seed(seed + 4)
+    attn = random_biases(CausalMHA(D_MODEL, N_HEADS, n_kv_heads).eval(), seed + 5)
+    x = torch.randn(BATCH, SEQ_LEN, D_MODEL)
+    cache, prompt = attn.new_cache(BATCH, SEQ_LEN), SEQ_LEN // 2
+    with torch.no_grad():
+        full = attn(x)
+        steps = [attn(x[:, :prompt], cache=cache)]
+        steps += [attn(x[:, t:t + 1], cache=cache) for t in range(prompt, SEQ_LEN)]
+    diff = (torch.cat(steps, dim=1) - full).abs().max().item()
+    kind = attention_kind(N_HEADS, n_kv_heads)
+    return ok & report(f"{kind:<5} {prompt} tokens, then 1 at a time, vs full forward", diff, 1e-5)
+
+
+def time_it(fn, reps):
+    """Best of `reps` wall-clock times of fn(), in seconds, after one warm-up call."""
+    fn()
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def memory_bandwidth(buf, reps=5):
+    """Bytes per second at which this machine reads buf once (a sum over a tensor far beyond cache)."""
+    return buf.nbytes / time_it(buf.sum, reps)
+
+
+def measure_decode(contexts=DECODE_CONTEXTS, kv_heads=DECODE_KV_HEADS, reps=3):
+    """Seconds per decode step of one layer's attention over S cached tokens, per config and S.
+
+    Returns {kind: [seconds per context]} and the measured read bandwidth in bytes/s. The cache is a
+    prefix of one preallocated MHA-sized buffer, as in a real server; its contents do not change the time.
+    """
+    h, dh = DECODE_HEADS, DECODE_D_HEAD
+    shape = (1, h, max(contexts), dh)                      # (B, h, S_max, dh): room for every config
+    k, v = torch.full(shape, 0.01), torch.full(shape, 0.02)
+    q = torch.randn(1, h, 1, dh)                           # (B, h, 1, dh): one new token
+    times = {kind: [] for kind in kv_heads}
+    with torch.no_grad():
+        for S in contexts:
+            for kind, kv in kv_heads.items():
+                kc, vc = k[:, :kv, :S], v[:, :kv, :S]      # (B, kv, S, dh)
+                times[kind].append(time_it(lambda kc=kc, vc=vc: attend(q, kc, vc), reps))
+        bandwidth = memory_bandwidth(k)
+    return times, bandwidth
+
+
+def print_decode_table(times, bandwidth, contexts=DECODE_CONTEXTS, kv_heads=DECODE_KV_HEADS):
+    print(f"\n5. Decode step: one layer's attention over its cache ({DECODE_HEADS} query heads, "
+          f"dh={DECODE_D_HEAD}, fp32), best of 3, ms")
+    print(f"   memory read bandwidth measured here: {bandwidth / 1e9:.1f} GB/s; 'floor' = time to read the "
+          "cache once at that speed")
+    head = "".join(f"{kind:>9}{'floor':>7}" for kind in kv_heads)
+    print(f"   {'context':>7}{head}   MQA speedup over MHA")
+    for i, S in enumerate(contexts):
+        cells = ""
+        for kind, kv in kv_heads.items():
+            floor = kv_cache_bytes(1, kv, DECODE_D_HEAD, S, bytes_per_elem=4) / bandwidth
+            cells += f"{times[kind][i] * 1e3:>9.3f}{floor * 1e3:>7.3f}"
+        print(f"   {S:>7}{cells}   {times['MHA'][i] / times['MQA'][i]:>6.1f}x")
+
+
+# ----------------------------------------------------------------------------- figures
+def save_png(fig, path):
+    """Write fig to path as a PNG that is byte-identical across runs, or not at all.
+
+    The PNG goes to a temporary file beside path and is renamed over it only once complete, so an
+    interrupted run never leaves half a file. The 'Software' tag is dropped: nothing varies then.
+    """
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=100, metadata={"Software": None})
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".tmp-", suffix=".png")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(buf.getvalue())
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+def tokens_label(n):
+    """tokens_label(512) == '512'; tokens_label(8192) == '8k'."""
+    return f"{n // 1024}k" if n >= 1024 else str(n)
+
+
+def log_axes(ax, xticks, yticks):
+    """Log-log axes with ticks at fixed places, labelled in plain text.
+
+    Left to itself, matplotlib labels log axes as powers (10^-1) through its math-text parser, which
+    alone costs a quarter of a second per figure.
+    """
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xticks(xticks, [tokens_label(t) for t in xticks])
+    ax.set_yticks(yticks, [f"{t:g}" for t in yticks])
+    ax.minorticks_off()
+
+
+def new_figure(width, height):
+    """A matplotlib Figure on the Agg canvas: no display, no global pyplot state."""
+    from matplotlib.figure import Figure
+    return Figure(figsize=(width, height))
+
+
+def plot_attention_maps(n_kv_heads, seed, path):
+    """Each head's causal attention probabilities on one random sequence, from need_weights=True."""
+    torch.manual_seed(seed + 6)
+    attn = CausalMHA(D_MODEL, N_HEADS, n_kv_heads).eval()
+    x = 2.0 * torch.randn(1, SEQ_LEN, D_MODEL)           # (B=1, T, d); x2 so the maps have contrast
+    with torch.no_grad():
+        _, p = attn(x, need_weights=True)                  # (1, h, T, T)
+    g = N_HEADS // n_kv_heads
+    cols = min(4, N_HEADS)
+    rows = math.ceil(N_HEADS / cols)
+    fig = new_figure(2.2 * cols + 1.2, 2.3 * rows + 0.7)
+    axes = fig.subplots(rows, cols, squeeze=False, sharex=True, sharey=True)
+    fig.subplots_adjust(left=0.07, right=0.88, bottom=0.1, top=1 - 0.7 / (2.3 * rows + 0.7), wspace=0.08,
+                        hspace=0.3)
+    ticks = list(range(0, SEQ_LEN, 3))
+    for i, ax in enumerate(axes.flat):
+        ax.set_visible(i < N_HEADS)
+        if i < N_HEADS:
+            im = ax.imshow(p[0, i].numpy(), cmap="viridis", vmin=0.0, vmax=1.0)
+            ax.set_title(f"query head {i} (K/V head {i // g})", fontsize=9)
+            ax.set_xticks(ticks)
+            ax.set_yticks(ticks)
+            ax.tick_params(labelsize=7)
+    for ax in axes[-1]:
+        ax.set_xlabel("key position", fontsize=8)
+    for ax in axes[:, 0]:
+        ax.set_ylabel("query position", fontsize=8)
+    fig.colorbar(im, cax=fig.add_axes([0.9, 0.15, 0.015, 0.65]), label="attention probability")
+    fig.suptitle(f"Per-head causal attention, {attention_kind(N_HEADS, n_kv_heads)}: {N_HEADS} query heads share "
+                 f"{n_kv_heads} K/V heads, d={D_MODEL}, T={SEQ_LEN}\nrandom untrained weights: each row sums "
+                 "to 1 over the keys at or before the query", fontsize=10)
+    save_png(fig, path)
+
+
+def plot_cache_sizes(path):
+    """KV-cache GB of the Llama-7B shape under MHA, GQA-8, GQA-4, MQA: at 4k tokens, and against context."""
+    fig = new_figure(11, 4.2)
+    left, right = fig.subplots(1, 2)
+    kinds = {"MHA": 32, "GQA-8": 8, "GQA-4": 4, "MQA": 1}
+    colors = {"MHA": "tab:red", "GQA-8": "tab:orange", "GQA-4": "tab:green", "MQA": "tab:blue"}
+    sizes = [gb(kv_cache_bytes(CACHE_LAYERS, kv, CACHE_D_HEAD, CACHE_TOKENS)) for kv in kinds.values()]
+    bars = left.bar(list(kinds), sizes, color=list(colors.values()))
+    left.bar_label(bars, labels=[f"{s:.2f} GB" for s in sizes], fontsize=9)
+    left.set_ylabel("KV cache per request (GB, 1 GB = 1e9 bytes)")
+    left.set_title(f"{CACHE_TOKENS} tokens, fp16, batch 1", fontsize=10)
+    context = [2 ** i for i in range(9, 18)]               # 512 .. 131072 tokens
+    for kind, kv in kinds.items():
+        right.plot(context, [gb(kv_cache_bytes(CACHE_LAYERS, kv, CACHE_D_HEAD, s)) for s in context],
+                   marker="o", ms=3, color=colors[kind], label=f"{kind} ({kv} K/V heads)")
+    right.axhline(GPU_CACHE_GB, color="gray", ls="--", lw=1)
+    right.text(context[0], GPU_CACHE_GB * 1.15, f"{GPU_CACHE_GB} GB of GPU memory", fontsize=8, color="gray")
+    log_axes(right, context[::2], [0.01, 0.1, 1, 10, 100])
+    right.set_xlabel("context length (tokens)")
+    right.set_ylabel("KV cache per request (GB)")
+    right.set_title("the cache grows linearly with context", fontsize=10)
+    right.legend(fontsize=8)
+    fig.suptitle(f"KV cache of a Llama-7B-shaped model ({CACHE_LAYERS} layers, {CACHE_HEADS} query heads, "
+                 f"dh={CACHE_D_HEAD})", fontsize=11)
+    fig.tight_layout()
+    save_png(fig, path)
+
+
+def plot_head_layout(n_kv_heads, path):
+    """Which query heads read which K/V head, for every valid n_kv_heads of the demo model."""
+    from matplotlib.patches import Rectangle
+    options = [kv for kv in range(N_HEADS, 0, -1) if N_HEADS % kv == 0]
+    fig = new_figure(max(6.0, 0.75 * N_HEADS + 2.5), 1.5 * len(options) + 0.6)
+    axes = fig.subplots(len(options), 1, squeeze=False)[:, 0]
+    cmap = __import__("matplotlib").colormaps["tab10"]
+    for ax, kv in zip(axes, options):
+        g = N_HEADS // kv
+        for i in range(N_HEADS):                           # query heads, top row
+            ax.add_patch(Rectangle((i + 0.1, 1.0), 0.8, 0.5, color=cmap(i // g % 10)))
+            ax.text(i + 0.5, 1.25, f"q{i}", ha="center", va="center", fontsize=8, color="white")
+            ax.plot([i + 0.5, (i // g) * g + g / 2], [1.0, 0.5], color="gray", lw=0.8)
+        for j in range(kv):                                # K/V heads, bottom row, under their group
+            ax.add_patch(Rectangle((j * g + 0.1, 0.0), g - 0.2, 0.5, color=cmap(j % 10), alpha=0.85))
+            ax.text(j * g + g / 2, 0.25, f"kv{j}", ha="center", va="center", fontsize=8, color="white")
+        label = f"{attention_kind(N_HEADS, kv)}: n_kv_heads={kv}, {g} query head{'s' if g > 1 else ''} per K/V head"
+        mine = kv == n_kv_heads
+        ax.set_title(label + ("   <- your N_KV_HEADS" if mine else ""), fontsize=9, loc="left",
+                     fontweight="bold" if mine else "normal")
+        ax.set_xlim(-0.1, N_HEADS + 0.1)
+        ax.set_ylim(-0.1, 1.6)
+        ax.axis("off")
+        if mine:
+            ax.add_patch(Rectangle((-0.08, -0.08), N_HEADS + 0.16, 1.66, fill=False, ec="black", lw=1.5))
+    fig.suptitle(f"Which query heads share which K/V head ({N_HEADS} query heads)", fontsize=11)
+    fig.tight_layout()
+    save_png(fig, path)
+
+
+def plot_decode_time(times, bandwidth, path, contexts=DECODE_CONTEXTS, kv_heads=DECODE_KV_HEADS):
+    """Measured decode-step time against context, with the time to read each cache once at full speed."""
+    fig = new_figure(7.5, 4.8)
+    ax = fig.subplots()
+    colors = {"MHA": "tab:red", "GQA-8": "tab:orange", "GQA-4": "tab:green", "MQA": "tab:blue"}
+    for kind, kv in kv_heads.items():
+        color = colors.get(kind, "black")
+        ax.plot(contexts, [t * 1e3 for t in times[kind]], marker="o", color=color, label=f"{kind} measured")
+        floor = [kv_cache_bytes(1, kv, DECODE_D_HEAD, S, bytes_per_elem=4) / bandwidth * 1e3 for S in contexts]
+        ax.plot(contexts, floor, ls="--", color=color, lw=1, label=f"{kind} reading its cache once")
+    log_axes(ax, contexts, [0.01, 0.1, 1, 10, 100])
+    ax.set_xlabel("cached context (tokens)")
+    ax.set_ylabel("time per decode step (ms)")
+    ax.set_title(f"One layer's attention over its KV cache, {DECODE_HEADS} query heads, dh={DECODE_D_HEAD}, "
+                 f"fp32\nmeasured on this CPU; dashed: cache bytes / {bandwidth / 1e9:.0f} GB/s read bandwidth",
+                 fontsize=9)
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    save_png(fig, path)
+
+
+# ----------------------------------------------------------------------------- main
+class Parser(argparse.ArgumentParser):
+    def error(self, message):                              # one line, exit 2, no usage block
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def parse_args(argv=None):
+    parser = Parser(prog="mha.py", description="Multi-head, grouped-query and multi-query attention: "
+                    "checks, KV-cache tables, decode timings and figures.",
+                    formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--n-kv-heads", type=int, default=N_KV_HEADS,
+                        help=f"K/V heads of the demo model: {N_HEADS} = MHA, a divisor of {N_HEADS} = GQA, 1 = MQA")
+    parser.add_argument("--out-dir", default=OUT_DIR, help="folder the figures are written to")
+    parser.add_argument("--seed", type=int, default=SEED, help="seed for every random number")
+    args = parser.parse_args(argv)
+    try:
+        check_heads(D_MODEL, N_HEADS, args.n_kv_heads)
+    except ValueError as e:
+        parser.error(str(e))
+    return args
+
+
+def writable_dir(path):
+    """Make path if needed and prove a file can be written there; return an error sentence or None."""
+    try:
+        os.makedirs(path, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as e:
+        return f"cannot write figures to '{path}': {e.strerror or e}"
+    return None
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    # Python's garbage collector would keep re-walking the 10^5 objects that importing torch created,
+    # a tenth of a second of this run; none of them is garbage, so move them out of its way.
+    gc.freeze()
+    problem = writable_dir(args.out_dir)
+    if problem:
+        print(f"mha.py: error: {problem}", file=sys.stderr)
+        return 1
+    kv = args.n_kv_heads
+    print(f"Causal attention, d={D_MODEL}, {N_HEADS} query heads, {kv} K/V heads: "
+          f"{attention_kind(N_HEADS, kv)}, {N_HEADS // kv} query head(s) per K/V head, dh={D_MODEL // N_HEADS}\n")
+    ok = run_checks(kv, args.seed)
+    print_cache_table(kv)
+    print_published_table()
+    ok &= check_cache(kv, args.seed)
+    times, bandwidth = measure_decode()
+    print_decode_table(times, bandwidth)
+
+    figures = {
+        "attention_maps.png": lambda p: plot_attention_maps(kv, args.seed, p),
+        "kv_cache_size.png": plot_cache_sizes,
+        "head_layout.png": lambda p: plot_head_layout(kv, p),
+        "decode_time.png": lambda p: plot_decode_time(times, bandwidth, p),
+    }
+    for name, draw in figures.items():
+        draw(os.path.join(args.out_dir, name))
+    print(f"\nFigures written to {args.out_dir}: {', '.join(figures)}")
+    print(f"Now change N_KV_HEADS (or pass --n-kv-heads) and run again. All checks: {'OK' if ok else 'FAIL'}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

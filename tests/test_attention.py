@@ -1,0 +1,195 @@
+"""The module against PyTorch: bit-exact for MHA, within stated tolerances for GQA/MQA."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import mha
+
+
+def torch_mha(d, h, dtype=torch.float32, bias=True, seed=0):
+    """nn.MultiheadAttention with its own weight init and random (non-zero) biases."""
+    torch.manual_seed(seed)
+    ref = nn.MultiheadAttention(d, h, bias=bias, batch_first=True, dtype=dtype)
+    return mha.random_biases(ref, seed + 1)
+
+
+def gqa_module(d, h, kv, dtype=torch.float32, seed=0):
+    torch.manual_seed(seed)
+    return mha.random_biases(mha.CausalMHA(d, h, kv).to(dtype), seed + 1)
+
+
+# d_head 32 and 64 are powers of two; 48 and 24 are not (sqrt(1/dh) is then inexact in binary).
+SHAPES = [(256, 8), (384, 8), (192, 8), (512, 8)]
+
+
+@pytest.mark.parametrize("d, h", SHAPES)
+@pytest.mark.parametrize("T", [1, 12, 37])
+@pytest.mark.parametrize("train", [False, True])
+@pytest.mark.parametrize("need_weights", [False, True])
+def test_mha_is_bit_identical_to_torch(d, h, T, train, need_weights):
+    ref = torch_mha(d, h).train(train)
+    ours = mha.CausalMHA.from_torch(ref)
+    assert ours.training == train
+    x = torch.randn(3, T, d)
+    y_diff, w_diff = mha.max_diff_vs_torch(ours, x, ref, need_weights=need_weights)
+    assert y_diff == 0.0, f"max |ours - nn.MultiheadAttention| = {y_diff:.3e}"
+    if need_weights:
+        assert w_diff == 0.0, f"max |weights - nn.MultiheadAttention's| = {w_diff:.3e}"
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("need_weights", [False, True])
+def test_mha_bit_identical_with_one_or_two_threads(threads, need_weights):
+    torch.set_num_threads(threads)
+    ref = torch_mha(384, 8, seed=3)
+    x = torch.randn(2, 50, 384)
+    y_diff, w_diff = mha.max_diff_vs_torch(mha.CausalMHA.from_torch(ref), x, ref, need_weights=need_weights)
+    assert y_diff == 0.0 and (w_diff or 0.0) == 0.0, f"{threads} threads: {y_diff:.3e}, {w_diff}"
+
+
+@pytest.mark.parametrize("need_weights", [False, True])
+def test_mha_bit_identical_in_float64(need_weights):
+    ref = torch_mha(192, 8, dtype=torch.float64, seed=4)
+    ours = mha.CausalMHA.from_torch(ref)
+    assert ours.in_proj.weight.dtype == torch.float64
+    x = torch.randn(2, 20, 192, dtype=torch.float64)
+    y_diff, w_diff = mha.max_diff_vs_torch(ours, x, ref, need_weights=need_weights)
+    assert y_diff == 0.0 and (w_diff or 0.0) == 0.0, f"float64: {y_diff:.3e}, {w_diff}"
+
+
+def test_mha_bit_identical_without_bias():
+    ref = torch_mha(256, 8, bias=False, seed=5)
+    ours = mha.CausalMHA.from_torch(ref)
+    assert ours.in_proj.bias is None and ours.out_proj.bias is None
+    y_diff, _ = mha.max_diff_vs_torch(ours, torch.randn(2, 9, 256), ref)
+    assert y_diff == 0.0, f"{y_diff:.3e}"
+
+
+def test_biases_are_really_random():
+    """The exactness tests would miss a misplaced bias if the biases were zero, as PyTorch starts them."""
+    ref = torch_mha(64, 4)
+    assert ref.in_proj_bias.abs().min() > 0 and ref.out_proj.bias.abs().min() > 0
+
+
+def test_swapped_heads_fail_the_check():
+    ref = torch_mha(256, 8, seed=6)
+    broken = mha.swap_query_heads(mha.CausalMHA.from_torch(ref), 0, 1)
+    y_diff, _ = mha.max_diff_vs_torch(broken, torch.randn(2, 12, 256), ref)
+    assert y_diff > 1e-3, f"swapping two query heads went unnoticed: {y_diff:.3e}"
+
+
+def test_to_torch_inverts_from_torch():
+    ref = torch_mha(128, 4, seed=7)
+    back = mha.CausalMHA.from_torch(ref).to_torch()
+    for (name, p), (_, q) in zip(ref.named_parameters(), back.named_parameters()):
+        assert torch.equal(p, q), name
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 2e-6), (torch.float64, 1e-12)])
+@pytest.mark.parametrize("d, h, kv", [(256, 8, 4), (256, 8, 2), (256, 8, 1), (384, 8, 2), (192, 8, 4)])
+@pytest.mark.parametrize("T", [1, 23])
+def test_gqa_matches_torch_with_repeated_kv(dtype, tol, d, h, kv, T):
+    ours = gqa_module(d, h, kv, dtype)
+    x = torch.randn(2, T, d, dtype=dtype)
+    y_diff, _ = mha.max_diff_vs_torch(ours, x)
+    y2_diff, w_diff = mha.max_diff_vs_torch(ours, x, need_weights=True)
+    assert max(y_diff, y2_diff, w_diff) <= tol, f"GQA kv={kv}: {y_diff:.3e} {y2_diff:.3e} {w_diff:.3e}"
+
+
+@pytest.mark.parametrize("kv", [4, 2, 1])
+def test_gqa_matches_sdpa_enable_gqa(kv):
+    ours = gqa_module(256, 8, kv)
+    diff = mha.max_diff_vs_sdpa(ours, torch.randn(2, 17, 256))
+    assert diff <= 2e-6, f"kv={kv}: max |ours - sdpa(enable_gqa=True)| = {diff:.3e}"
+
+
+def test_query_heads_are_grouped_like_repeat_interleave():
+    """Query head i must read K/V head i // g; repeat() instead of repeat_interleave() pairs them wrongly."""
+    torch.manual_seed(8)
+    B, h, kv, T, dh = 1, 4, 2, 5, 8
+    q, k, v = torch.randn(B, h, T, dh), torch.randn(B, kv, T, dh), torch.randn(B, kv, T, dh)
+    o, _ = mha.attend(q, k, v)
+    right = F.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), is_causal=True)
+    wrong = F.scaled_dot_product_attention(q, k.repeat(1, 2, 1, 1), v.repeat(1, 2, 1, 1), is_causal=True)
+    assert (o - right).abs().max() <= 1e-6
+    assert (o - wrong).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("kv", [8, 2, 1])
+def test_causal_future_tokens_do_not_change_the_past(kv):
+    attn = gqa_module(128, 8, kv).eval()
+    x = torch.randn(2, 16, 128)
+    x2 = x.clone()
+    x2[:, 10:] = torch.randn(2, 6, 128)
+    with torch.no_grad():
+        y, y2 = attn(x), attn(x2)
+    assert torch.equal(y[:, :10], y2[:, :10])
+    assert not torch.equal(y[:, 10:], y2[:, 10:])
+
+
+def test_attention_weights_are_causal_distributions():
+    attn = gqa_module(128, 8, 2).eval()
+    with torch.no_grad():
+        y, p = attn(torch.randn(2, 9, 128), need_weights=True)
+    assert y.shape == (2, 9, 128) and p.shape == (2, 8, 9, 9)
+    assert torch.allclose(p.sum(-1), torch.ones(2, 8, 9), atol=1e-6)
+    assert p.triu(1).abs().max() == 0.0
+
+
+def test_output_shape_and_attributes():
+    attn = mha.CausalMHA(96, 6, 3)
+    assert (attn.n_heads, attn.n_kv_heads, attn.d_head) == (6, 3, 16)
+    assert attn.in_proj.weight.shape == ((6 + 2 * 3) * 16, 96)
+    assert mha.CausalMHA(96, 6).n_kv_heads == 6
+    assert attn(torch.randn(4, 7, 96)).shape == (4, 7, 96)
+
+
+@pytest.mark.parametrize("d, h, kv, words", [
+    (100, 8, None, ["d_model=100", "n_heads=8", "multiple"]),
+    (64, 0, None, ["n_heads", "at least 1", "0"]),
+    (64, -2, 1, ["n_heads", "at least 1", "-2"]),
+    (64, 8, 3, ["n_kv_heads=3", "divide", "n_heads=8"]),
+    (64, 8, 0, ["n_kv_heads=0", "divide"]),
+    (64, 8, 16, ["n_kv_heads=16", "divide"]),
+    (64, 8, -4, ["n_kv_heads=-4"]),
+])
+def test_bad_configurations_say_what_and_why(d, h, kv, words):
+    with pytest.raises(ValueError) as e:
+        mha.CausalMHA(d, h, kv)
+    for w in words:
+        assert w in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_non_integer_heads_are_refused():
+    with pytest.raises(TypeError, match="n_kv_heads must be a whole number"):
+        mha.CausalMHA(64, 8, 2.0)
+
+
+@pytest.mark.parametrize("shape, words", [
+    ((5, 64), ["(B, T, 64)", "(5, 64)"]),
+    ((2, 5, 32), ["(B, T, 64)", "(2, 5, 32)"]),
+    ((1, 2, 5, 64), ["(1, 2, 5, 64)"]),
+    ((2, 0, 64), ["at least one token", "(2, 0, 64)"]),
+])
+def test_bad_input_shapes_say_what_they_got(shape, words):
+    attn = mha.CausalMHA(64, 8, 2)
+    with pytest.raises(ValueError) as e:
+        attn(torch.randn(shape))
+    for w in words:
+        assert w in str(e.value)
+
+
+def test_from_torch_refuses_what_it_cannot_copy():
+    with pytest.raises(ValueError, match="dropout=0.0"):
+        mha.CausalMHA.from_torch(nn.MultiheadAttention(64, 4, dropout=0.1, batch_first=True))
+    with pytest.raises(ValueError, match="batch_first=True"):
+        mha.CausalMHA.from_torch(nn.MultiheadAttention(64, 4))
+
+
+def test_causal_mask_aligns_new_tokens_bottom_right():
+    m = mha.causal_mask(2, 4)
+    assert m.tolist() == [[0, 0, 0, float("-inf")], [0, 0, 0, 0]]
+    assert torch.equal(mha.causal_mask(3, 3), torch.full((3, 3), float("-inf")).triu(1))
