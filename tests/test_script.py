@@ -42,6 +42,17 @@ def test_default_run_prints_the_evidence(two_runs):
     assert "Traceback" not in r.stderr
 
 
+def test_readme_quotes_the_real_output(two_runs):
+    """Everything the run prints before the timings is deterministic, so the README must match it."""
+    r, _ = two_runs[0]
+    with open(os.path.join(ROOT, "README.md")) as f:
+        readme = f.read()
+    quoted = readme.split("<!-- output:start -->\n```text\n")[1].split("```\n<!-- output:end -->")[0]
+    cut = "5. Decode step"
+    assert cut in quoted and cut in r.stdout
+    assert quoted.split(cut)[0] == r.stdout.split(cut)[0]
+
+
 def test_default_run_writes_four_pngs_and_nothing_else(two_runs):
     _, out_dir = two_runs[0]
     assert sorted(os.listdir(out_dir)) == sorted(FIGURES)
