@@ -6,8 +6,9 @@ What this file shows, top to bottom:
      attention (MHA, Vaswani et al. 2017); a divisor of n_heads is grouped-query attention (GQA, Ainslie
      et al. 2023), where each group of query heads shares one key/value head; 1 is multi-query attention
      (MQA, Shazeer 2019), where all query heads share a single key/value head.
-  2. The proof that the reshapes are right: PyTorch's own nn.MultiheadAttention, with its weights copied
-     in, gives the same output to the last bit (max difference exactly 0.0).
+  2. The proof that every reshape is right: with the weights of PyTorch's own nn.MultiheadAttention
+     copied in, CausalMHA gives the same output to the last bit (max difference exactly 0.0), and what
+     it takes to get that last bit.
   3. The KV cache in bytes, for a Llama-7B-shaped model and for published models: during generation
      every past token's keys and values are kept, and that cache, not the weights, caps how many users a
      GPU can serve. Sharing K/V heads shrinks it by n_heads / n_kv_heads.
@@ -54,16 +55,13 @@ BATCH = 2            # B: sequences in the demo batch
 SEED = 0             # every random number in the run comes from this seed
 OUT_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "figures")
 
-# The KV-cache table: a Llama-7B-shaped model (32 layers, 32 query heads of width 128), fp16, 4k tokens.
-CACHE_LAYERS, CACHE_HEADS, CACHE_D_HEAD = 32, 32, 128
-CACHE_TOKENS = 4096
+# The KV-cache table, its figure and the decode timing use Llama-7B-shaped attention.
+LLAMA_LAYERS, LLAMA_HEADS, LLAMA_D_HEAD = 32, 32, 128    # layers, query heads, head width
+LLAMA_CONFIGS = {"MHA": 32, "GQA-8": 8, "GQA-4": 4, "MQA": 1}   # name: K/V heads
+CACHE_TOKENS = 4096               # context length of the tables
 CACHE_BYTES_PER_ELEM = 2          # fp16
 GPU_CACHE_GB = 40                 # memory set aside for the cache on one GPU, GB (1 GB = 1e9 bytes)
-
-# Decode timing: one layer's attention over its cache, Llama-like heads, fp32 on this CPU.
-DECODE_HEADS, DECODE_D_HEAD = 32, 128
-DECODE_CONTEXTS = (256, 512, 1024, 2048, 4096, 8192)
-DECODE_KV_HEADS = {"MHA": 32, "GQA-8": 8, "GQA-4": 4, "MQA": 1}
+DECODE_CONTEXTS = (256, 512, 1024, 2048, 4096, 8192)   # cached tokens at which a decode step is timed
 
 # Published shapes: (layers, query heads, K/V heads, head width).
 PUBLISHED_MODELS = {
@@ -140,7 +138,7 @@ def attend(q, k, v, need_weights=False):
                                k.reshape(B * kv, S, dh).transpose(1, 2))  # (B*kv, dh, S)
         p = scores.softmax(dim=-1)                         # (B*kv, g*T, S)
         o = torch.bmm(p, v.reshape(B * kv, S, dh))         # (B*kv, g*T, dh)
-        return o.view(B, h, T, dh), p.view(B, h, T, S)
+        return o.view(B, h, T, dh), p.view(B, h, T, S)    # (B, h, T, dh), (B, h, T, S)
     o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask if T > 1 else None)  # (B, kv, g*T, dh)
     return o.reshape(B, h, T, dh), None                    # (B, h, T, dh)
 
@@ -401,25 +399,28 @@ def kv_cache_bytes(n_layers, n_kv_heads, d_head, seq_len, batch=1, bytes_per_ele
     return 2 * n_layers * n_kv_heads * d_head * seq_len * batch * bytes_per_elem
 
 
+def llama_cache_bytes(n_kv_heads, tokens=CACHE_TOKENS):
+    """The cache of the Llama-7B shape above with n_kv_heads K/V heads, fp16, batch 1."""
+    return kv_cache_bytes(LLAMA_LAYERS, n_kv_heads, LLAMA_D_HEAD, tokens, bytes_per_elem=CACHE_BYTES_PER_ELEM)
+
+
 def gb(n_bytes):
     return n_bytes / 1e9
 
 
 def print_cache_table(n_kv_heads):
     """The Llama-7B-shaped table for MHA, GQA-8, GQA-4, MQA, and the knob's n_kv_heads if it is another."""
-    print(f"\n2. KV cache of a Llama-7B-shaped model ({CACHE_LAYERS} layers, {CACHE_HEADS} query heads, "
-          f"dh={CACHE_D_HEAD}, fp16, {CACHE_TOKENS} tokens, batch 1)")
+    print(f"\n2. KV cache of a Llama-7B-shaped model ({LLAMA_LAYERS} layers, {LLAMA_HEADS} query heads, "
+          f"dh={LLAMA_D_HEAD}, fp16, {CACHE_TOKENS} tokens, batch 1)")
     print("   bytes = 2 (K and V) x layers x K/V heads x dh x tokens x bytes per number")
     print("   GB = 1e9 bytes: 2^31 bytes is 2.15 GB but 2.00 GiB")
-    kv_list = sorted({CACHE_HEADS, 8, 4, 1} | ({n_kv_heads} if CACHE_HEADS % n_kv_heads == 0 else set()),
-                     reverse=True)
-    mha_bytes = kv_cache_bytes(CACHE_LAYERS, CACHE_HEADS, CACHE_D_HEAD, CACHE_TOKENS,
-                               bytes_per_elem=CACHE_BYTES_PER_ELEM)
+    kv_list = set(LLAMA_CONFIGS.values()) | ({n_kv_heads} if LLAMA_HEADS % n_kv_heads == 0 else set())
     print(f"   {'config':<8}{'n_kv_heads':>11}{'KV cache':>11}{'shrink':>8}")
-    for kv in kv_list:
-        n = kv_cache_bytes(CACHE_LAYERS, kv, CACHE_D_HEAD, CACHE_TOKENS, bytes_per_elem=CACHE_BYTES_PER_ELEM)
+    for kv in sorted(kv_list, reverse=True):
+        n = llama_cache_bytes(kv)
         note = "   <- your n_kv_heads" if kv == n_kv_heads else ""
-        print(f"   {attention_kind(CACHE_HEADS, kv):<8}{kv:>11}{gb(n):>8.2f} GB{mha_bytes // n:>7}x{note}")
+        print(f"   {attention_kind(LLAMA_HEADS, kv):<8}{kv:>11}{gb(n):>8.2f} GB{llama_cache_bytes(LLAMA_HEADS) // n:>7}x"
+              f"{note}")
 
 
 def published_rows():
@@ -488,13 +489,13 @@ def memory_bandwidth(buf, reps=5):
     return buf.nbytes / time_it(buf.sum, reps)
 
 
-def measure_decode(contexts=DECODE_CONTEXTS, kv_heads=DECODE_KV_HEADS, reps=3):
+def measure_decode(contexts=DECODE_CONTEXTS, kv_heads=LLAMA_CONFIGS, reps=3):
     """Seconds per decode step of one layer's attention over S cached tokens, per config and S.
 
     Returns {kind: [seconds per context]} and the measured read bandwidth in bytes/s. The cache is a
     prefix of one preallocated MHA-sized buffer, as in a real server; its contents do not change the time.
     """
-    h, dh = DECODE_HEADS, DECODE_D_HEAD
+    h, dh = LLAMA_HEADS, LLAMA_D_HEAD
     shape = (1, h, max(contexts), dh)                      # (B, h, S_max, dh): room for every config
     k, v = torch.full(shape, 0.01), torch.full(shape, 0.02)
     q = torch.randn(1, h, 1, dh)                           # (B, h, 1, dh): one new token
@@ -508,16 +509,16 @@ def measure_decode(contexts=DECODE_CONTEXTS, kv_heads=DECODE_KV_HEADS, reps=3):
     return times, bandwidth
 
 
-def print_decode_table(times, bandwidth, contexts=DECODE_CONTEXTS, kv_heads=DECODE_KV_HEADS):
-    print(f"\n5. Decode step: one layer's attention over its cache ({DECODE_HEADS} query heads, "
-          f"dh={DECODE_D_HEAD}, fp32), best of 3, in ms")
+def print_decode_table(times, bandwidth, contexts=DECODE_CONTEXTS, kv_heads=LLAMA_CONFIGS):
+    print(f"\n5. Decode step: one layer's attention over its cache ({LLAMA_HEADS} query heads, "
+          f"dh={LLAMA_D_HEAD}, fp32), best of 3, in ms")
     print(f"   floor = cache bytes / {bandwidth / 1e9:.1f} GB/s (the read bandwidth measured here): "
           "the least time one read of it takes")
     print(f"   {'context':>7}" + "".join(f" |{kind + ' ms':>9}{'floor':>7}{'vs MHA':>7}" for kind in kv_heads))
     for i, S in enumerate(contexts):
         cells = ""
         for kind, kv in kv_heads.items():
-            floor = kv_cache_bytes(1, kv, DECODE_D_HEAD, S, bytes_per_elem=4) / bandwidth
+            floor = kv_cache_bytes(1, kv, LLAMA_D_HEAD, S, bytes_per_elem=4) / bandwidth
             cells += f" |{times[kind][i] * 1e3:>9.3f}{floor * 1e3:>7.3f}{times['MHA'][i] / times[kind][i]:>6.1f}x"
         print(f"   {S:>7}{cells}")
     print("   Every step reads the whole cache once, so its time grows with the context, and fewer K/V heads"
@@ -525,6 +526,9 @@ def print_decode_table(times, bandwidth, contexts=DECODE_CONTEXTS, kv_heads=DECO
 
 
 # ----------------------------------------------------------------------------- figures
+COLORS = {"MHA": "tab:red", "GQA-8": "tab:orange", "GQA-4": "tab:green", "MQA": "tab:blue"}
+
+
 def save_png(fig, path):
     """Write fig to path as a PNG that is byte-identical across runs, or not at all.
 
@@ -606,17 +610,15 @@ def plot_cache_sizes(path):
     """KV-cache GB of the Llama-7B shape under MHA, GQA-8, GQA-4, MQA: at 4k tokens, and against context."""
     fig = new_figure(11, 4.2)
     left, right = fig.subplots(1, 2)
-    kinds = {"MHA": 32, "GQA-8": 8, "GQA-4": 4, "MQA": 1}
-    colors = {"MHA": "tab:red", "GQA-8": "tab:orange", "GQA-4": "tab:green", "MQA": "tab:blue"}
-    sizes = [gb(kv_cache_bytes(CACHE_LAYERS, kv, CACHE_D_HEAD, CACHE_TOKENS)) for kv in kinds.values()]
-    bars = left.bar(list(kinds), sizes, color=list(colors.values()))
+    sizes = [gb(llama_cache_bytes(kv)) for kv in LLAMA_CONFIGS.values()]
+    bars = left.bar(list(LLAMA_CONFIGS), sizes, color=[COLORS[kind] for kind in LLAMA_CONFIGS])
     left.bar_label(bars, labels=[f"{s:.2f} GB" for s in sizes], fontsize=9)
     left.set_ylabel("KV cache per request (GB, 1 GB = 1e9 bytes)")
     left.set_title(f"{CACHE_TOKENS} tokens, fp16, batch 1", fontsize=10)
     context = [2 ** i for i in range(9, 18)]               # 512 .. 131072 tokens
-    for kind, kv in kinds.items():
-        right.plot(context, [gb(kv_cache_bytes(CACHE_LAYERS, kv, CACHE_D_HEAD, s)) for s in context],
-                   marker="o", ms=3, color=colors[kind], label=f"{kind} ({kv} K/V heads)")
+    for kind, kv in LLAMA_CONFIGS.items():
+        right.plot(context, [gb(llama_cache_bytes(kv, s)) for s in context], marker="o", ms=3, color=COLORS[kind],
+                   label=f"{kind} ({kv} K/V heads)")
     right.axhline(GPU_CACHE_GB, color="gray", ls="--", lw=1)
     right.text(context[0], GPU_CACHE_GB * 1.15, f"{GPU_CACHE_GB} GB of GPU memory", fontsize=8, color="gray")
     log_axes(right, context[::2], [0.01, 0.1, 1, 10, 100])
@@ -624,19 +626,20 @@ def plot_cache_sizes(path):
     right.set_ylabel("KV cache per request (GB)")
     right.set_title("the cache grows linearly with context", fontsize=10)
     right.legend(fontsize=8)
-    fig.suptitle(f"KV cache of a Llama-7B-shaped model ({CACHE_LAYERS} layers, {CACHE_HEADS} query heads, "
-                 f"dh={CACHE_D_HEAD})", fontsize=11)
+    fig.suptitle(f"KV cache of a Llama-7B-shaped model ({LLAMA_LAYERS} layers, {LLAMA_HEADS} query heads, "
+                 f"dh={LLAMA_D_HEAD})", fontsize=11)
     fig.tight_layout()
     save_png(fig, path)
 
 
 def plot_head_layout(n_kv_heads, path):
     """Which query heads read which K/V head, for every valid n_kv_heads of the demo model."""
+    from matplotlib import colormaps
     from matplotlib.patches import Rectangle
     options = [kv for kv in range(N_HEADS, 0, -1) if N_HEADS % kv == 0]
     fig = new_figure(max(6.0, 0.75 * N_HEADS + 2.5), 1.5 * len(options) + 0.6)
     axes = fig.subplots(len(options), 1, squeeze=False)[:, 0]
-    cmap = __import__("matplotlib").colormaps["tab10"]
+    cmap = colormaps["tab10"]
     for ax, kv in zip(axes, options):
         g = N_HEADS // kv
         for i in range(N_HEADS):                           # query heads, top row
@@ -660,20 +663,19 @@ def plot_head_layout(n_kv_heads, path):
     save_png(fig, path)
 
 
-def plot_decode_time(times, bandwidth, path, contexts=DECODE_CONTEXTS, kv_heads=DECODE_KV_HEADS):
+def plot_decode_time(times, bandwidth, path, contexts=DECODE_CONTEXTS, kv_heads=LLAMA_CONFIGS):
     """Measured decode-step time against context, with the time to read each cache once at full speed."""
     fig = new_figure(7.5, 4.8)
     ax = fig.subplots()
-    colors = {"MHA": "tab:red", "GQA-8": "tab:orange", "GQA-4": "tab:green", "MQA": "tab:blue"}
     for kind, kv in kv_heads.items():
-        color = colors.get(kind, "black")
+        color = COLORS.get(kind, "black")
         ax.plot(contexts, [t * 1e3 for t in times[kind]], marker="o", color=color, label=f"{kind} measured")
-        floor = [kv_cache_bytes(1, kv, DECODE_D_HEAD, S, bytes_per_elem=4) / bandwidth * 1e3 for S in contexts]
+        floor = [kv_cache_bytes(1, kv, LLAMA_D_HEAD, S, bytes_per_elem=4) / bandwidth * 1e3 for S in contexts]
         ax.plot(contexts, floor, ls="--", color=color, lw=1, label=f"{kind} reading its cache once")
     log_axes(ax, contexts, [0.01, 0.1, 1, 10, 100])
     ax.set_xlabel("cached context (tokens)")
     ax.set_ylabel("time per decode step (ms)")
-    ax.set_title(f"One layer's attention over its KV cache, {DECODE_HEADS} query heads, dh={DECODE_D_HEAD}, "
+    ax.set_title(f"One layer's attention over its KV cache, {LLAMA_HEADS} query heads, dh={LLAMA_D_HEAD}, "
                  f"fp32\nmeasured on this CPU; dashed: cache bytes / {bandwidth / 1e9:.0f} GB/s read bandwidth",
                  fontsize=9)
     ax.legend(fontsize=7, ncol=2)
@@ -700,6 +702,8 @@ def parse_args(argv=None):
         check_heads(D_MODEL, N_HEADS, args.n_kv_heads)
     except ValueError as e:
         parser.error(str(e))
+    if not 0 <= args.seed < 2**32:
+        parser.error(f"--seed {args.seed} must be between 0 and 2**32 - 1")
     return args
 
 

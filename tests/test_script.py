@@ -74,9 +74,10 @@ def test_knob_changes_the_run(tmp_path):
     assert "GQA-2             2    0.13 GB     16x   <- your n_kv_heads" in r.stdout
 
 
-@pytest.mark.parametrize("value", ["3", "0", "-1", "16", "two"])
-def test_bad_knob_exits_2_with_one_line(value, tmp_path):
-    r = run("--n-kv-heads", value, "--out-dir", str(tmp_path))
+@pytest.mark.parametrize("flag, value", [("--n-kv-heads", v) for v in ["3", "0", "-1", "16", "two"]]
+                         + [("--seed", v) for v in ["-1", str(2**64), "abc"]])
+def test_bad_knob_exits_2_with_one_line(flag, value, tmp_path):
+    r = run(f"{flag}={value}", "--out-dir", str(tmp_path))
     assert r.returncode == 2
     assert r.stdout == "" and len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert value in r.stderr and "Traceback" not in r.stderr
@@ -91,6 +92,20 @@ def test_unwritable_out_dir_exits_nonzero_with_one_line(tmp_path):
     assert r.returncode != 0
     assert len(r.stderr.strip().splitlines()) == 1 and str(target) in r.stderr, r.stderr
     assert "Traceback" not in r.stderr and r.stdout == ""
+
+
+def test_a_failing_check_says_fail_and_exits_1(tmp_path, monkeypatch, capsys):
+    """Copy the weights wrongly for every check, and the run must say FAIL and exit 1."""
+    right = mha.CausalMHA.from_torch
+
+    def wrong(ref):
+        return mha.swap_query_heads(right(ref), 2, 3)
+
+    monkeypatch.setattr(mha.CausalMHA, "from_torch", staticmethod(wrong))
+    assert mha.main(["--out-dir", str(tmp_path)]) == 1
+    out = capsys.readouterr().out
+    assert "MHA   max |ours - nn.MultiheadAttention|" in out and "FAIL  (must be exactly 0)" in out
+    assert out.rstrip().endswith("All checks: FAIL")
 
 
 def test_help_shows_the_defaults():
