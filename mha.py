@@ -530,13 +530,14 @@ COLORS = {"MHA": "tab:red", "GQA-8": "tab:orange", "GQA-4": "tab:green", "MQA": 
 
 
 def save_png(fig, path):
-    """Write fig to path as a PNG that is byte-identical across runs, or not at all.
+    """Write fig to path as a PNG, or not at all.
 
     The PNG goes to a temporary file beside path and is renamed over it only once complete, so an
-    interrupted run never leaves half a file. The 'Software' tag is dropped: nothing varies then.
+    interrupted run never leaves half a file. Agg's PNGs hold no date, only a 'Software' tag naming the
+    matplotlib version, so the same code, seed and version give the same bytes.
     """
     buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=100, metadata={"Software": None})
+    fig.savefig(buf, format="png", dpi=100)
     tmp = f"{path}.{os.getpid()}.tmp"
     try:
         with open(tmp, "wb") as f:

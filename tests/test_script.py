@@ -67,6 +67,19 @@ def test_figures_are_byte_identical_across_runs(two_runs):
         assert (a / name).read_bytes() == (b / name).read_bytes(), name
 
 
+def test_committed_figures_are_what_the_code_draws(two_runs):
+    """figures/ must be regenerated when the code changes a figure (checked where matplotlib matches)."""
+    from PIL import Image
+    _, fresh = two_runs[0]
+    for name in DETERMINISTIC:
+        committed = os.path.join(ROOT, "figures", name)
+        made_by = Image.open(committed).info.get("Software")
+        if made_by != Image.open(fresh / name).info.get("Software"):
+            pytest.skip(f"{name} was drawn by {made_by}; this machine's matplotlib draws it differently")
+        with open(committed, "rb") as f:
+            assert f.read() == (fresh / name).read_bytes(), f"figures/{name} is stale: run python mha.py"
+
+
 def test_knob_changes_the_run(tmp_path):
     r = run("--n-kv-heads", "2", "--out-dir", str(tmp_path))
     assert r.returncode == 0, r.stderr
