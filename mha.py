@@ -222,21 +222,24 @@ class CausalMHA(nn.Module):
         return (y, p) if need_weights else y
 
     def _check_input(self, x, cache):
+        """Raise ValueError, naming what was given and what is needed, before anything is computed."""
         if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[-1] != self.d_model:
             got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
             raise ValueError(f"x must have shape (B, T, {self.d_model}), got {got}")
         B, T = x.shape[0], x.shape[1]
         if T < 1 or B < 1:
             raise ValueError(f"x must hold at least one token of one sequence, got shape {tuple(x.shape)}")
+        dtype = self.in_proj.weight.dtype
+        if x.dtype != dtype:
+            raise ValueError(f"x is {x.dtype} but this module computes in {dtype}; convert one to the other")
         if cache is not None:
             want = (B, self.n_kv_heads, cache.k.shape[2], self.d_head)
-            if tuple(cache.k.shape) != want:
-                raise ValueError(f"the cache holds K of shape {tuple(cache.k.shape)}, this call needs {want}")
-            if cache.length + T > cache.k.shape[2]:
-                raise ValueError(
-                    f"the cache holds {cache.length} of at most {cache.k.shape[2]} tokens "
-                    f"and cannot take {T} more"
-                )
+            if tuple(cache.k.shape) != want or cache.k.dtype != dtype:
+                raise ValueError(f"the cache holds K of shape {tuple(cache.k.shape)} in {cache.k.dtype}, "
+                                 f"this call needs {want} in {dtype}")
+            if not 0 <= cache.length <= cache.k.shape[2] - T:
+                raise ValueError(f"the cache holds {cache.length} of at most {cache.k.shape[2]} tokens "
+                                 f"and cannot take {T} more")
         return B, T
 
     def new_cache(self, batch, max_len):

@@ -182,6 +182,11 @@ def test_bad_input_shapes_say_what_they_got(shape, words):
         assert w in str(e.value)
 
 
+def test_input_of_another_dtype_is_refused():
+    with pytest.raises(ValueError, match="x is torch.float64 but this module computes in torch.float32"):
+        mha.CausalMHA(64, 8, 2)(torch.randn(1, 3, 64, dtype=torch.float64))
+
+
 def test_from_torch_refuses_what_it_cannot_copy():
     with pytest.raises(ValueError, match="dropout=0.0"):
         mha.CausalMHA.from_torch(nn.MultiheadAttention(64, 4, dropout=0.1, batch_first=True))

@@ -110,8 +110,14 @@ def test_cache_of_another_shape_is_refused():
         attn(torch.randn(3, 1, 128), cache=attn.new_cache(2, 8))          # batch 3 into a batch-2 cache
     with pytest.raises(ValueError, match="cache"):
         attn(torch.randn(2, 1, 128), cache=module(8, 4).new_cache(2, 8))  # 4 K/V heads, module has 2
+    with pytest.raises(ValueError, match="float64"):
+        attn(torch.randn(2, 1, 128), cache=module(8, 2, torch.float64).new_cache(2, 8))
     with pytest.raises(ValueError, match="max_len"):
         attn.new_cache(1, 0)
+    cache = attn.new_cache(2, 8)
+    cache.length = -1                                                  # rewound too far
+    with pytest.raises(ValueError, match="holds -1 of at most 8"):
+        attn(torch.randn(2, 1, 128), cache=cache)
 
 
 # ----------------------------------------------------------------------------- no copies of K/V
