@@ -127,9 +127,9 @@ def attend(q, k, v, need_weights=False):
     kv, S = k.shape[1], k.shape[2]
     g = h // kv
     q = q.reshape(B, kv, g * T, dh)                        # (B, kv, g*T, dh), rows in (g, T) order
-    # A single new token sees every key, so a decode step needs no mask at all.
-    if T > 1 or need_weights:
-        mask = causal_mask(T, S, q.dtype).repeat(g, 1)     # (g*T, S), one copy of the mask per head
+    # (g*T, S): the (T, S) mask once for each query head of a group. A decode step (T = 1) needs
+    # none, since a single new token sees every key.
+    mask = causal_mask(T, S, q.dtype).repeat(g, 1) if T > 1 or need_weights else None
     if need_weights:
         # The order nn.MultiheadAttention uses when it returns weights: scale q by sqrt(1/dh) first,
         # then q k^T + mask in one baddbmm. Any other order can change the last bit.
@@ -139,7 +139,7 @@ def attend(q, k, v, need_weights=False):
         p = scores.softmax(dim=-1)                         # (B*kv, g*T, S)
         o = torch.bmm(p, v.reshape(B * kv, S, dh))         # (B*kv, g*T, dh)
         return o.view(B, h, T, dh), p.view(B, h, T, S)    # (B, h, T, dh), (B, h, T, S)
-    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask if T > 1 else None)  # (B, kv, g*T, dh)
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (B, kv, g*T, dh)
     return o.reshape(B, h, T, dh), None                    # (B, h, T, dh)
 
 
@@ -492,6 +492,11 @@ def memory_bandwidth(buf, reps=5):
     return buf.nbytes / time_it(buf.sum, reps)
 
 
+def read_floor(n_kv_heads, S, bandwidth):
+    """Seconds to read one layer's fp32 K and V for S tokens once at `bandwidth` bytes/s: no step is faster."""
+    return kv_cache_bytes(1, n_kv_heads, LLAMA_D_HEAD, S, bytes_per_elem=4) / bandwidth
+
+
 def measure_decode(contexts=DECODE_CONTEXTS, kv_heads=LLAMA_CONFIGS, reps=3):
     """Seconds per decode step of one layer's attention over S cached tokens, per config and S.
 
@@ -521,7 +526,7 @@ def print_decode_table(times, bandwidth, contexts=DECODE_CONTEXTS, kv_heads=LLAM
     for i, S in enumerate(contexts):
         cells = ""
         for kind, kv in kv_heads.items():
-            floor = kv_cache_bytes(1, kv, LLAMA_D_HEAD, S, bytes_per_elem=4) / bandwidth
+            floor = read_floor(kv, S, bandwidth)
             cells += f" |{times[kind][i] * 1e3:>9.3f}{floor * 1e3:>7.3f}{times['MHA'][i] / times[kind][i]:>6.1f}x"
         print(f"   {S:>7}{cells}")
     print("   Every step reads the whole cache once, so its time grows with the context, and fewer K/V heads"
@@ -674,7 +679,7 @@ def plot_decode_time(times, bandwidth, path, contexts=DECODE_CONTEXTS, kv_heads=
     for kind, kv in kv_heads.items():
         color = COLORS.get(kind, "black")
         ax.plot(contexts, [t * 1e3 for t in times[kind]], marker="o", color=color, label=f"{kind} measured")
-        floor = [kv_cache_bytes(1, kv, LLAMA_D_HEAD, S, bytes_per_elem=4) / bandwidth * 1e3 for S in contexts]
+        floor = [read_floor(kv, S, bandwidth) * 1e3 for S in contexts]
         ax.plot(contexts, floor, ls="--", color=color, lw=1, label=f"{kind} reading its cache once")
     log_axes(ax, contexts, [0.01, 0.1, 1, 10, 100])
     ax.set_xlabel("cached context (tokens)")
