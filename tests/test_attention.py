@@ -24,15 +24,18 @@ def gqa_module(d, h, kv, dtype=torch.float32, seed=0):
 SHAPES = [(256, 8), (384, 8), (192, 8), (512, 8)]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("d, h", SHAPES)
 @pytest.mark.parametrize("T", [1, 12, 37])
 @pytest.mark.parametrize("train", [False, True])
 @pytest.mark.parametrize("need_weights", [False, True])
-def test_mha_is_bit_identical_to_torch(d, h, T, train, need_weights):
-    ref = torch_mha(d, h).train(train)
+@pytest.mark.parametrize("bias", [True, False])
+def test_mha_is_bit_identical_to_torch(dtype, d, h, T, train, need_weights, bias):
+    ref = torch_mha(d, h, dtype, bias).train(train)
     ours = mha.CausalMHA.from_torch(ref)
-    assert ours.training == train
-    x = torch.randn(3, T, d)
+    assert ours.training == train and ours.in_proj.weight.dtype == dtype
+    assert (ours.in_proj.bias is None) == (not bias)
+    x = torch.randn(3, T, d, dtype=dtype)
     y_diff, w_diff = mha.max_diff_vs_torch(ours, x, ref, need_weights=need_weights)
     assert y_diff == 0.0, f"max |ours - nn.MultiheadAttention| = {y_diff:.3e}"
     if need_weights:
@@ -40,31 +43,14 @@ def test_mha_is_bit_identical_to_torch(d, h, T, train, need_weights):
 
 
 @pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("need_weights", [False, True])
-def test_mha_bit_identical_with_one_or_two_threads(threads, need_weights):
+def test_mha_bit_identical_with_one_or_two_threads(threads, dtype, need_weights):
     torch.set_num_threads(threads)
-    ref = torch_mha(384, 8, seed=3)
-    x = torch.randn(2, 50, 384)
+    ref = torch_mha(384, 8, dtype, seed=3)
+    x = torch.randn(2, 50, 384, dtype=dtype)
     y_diff, w_diff = mha.max_diff_vs_torch(mha.CausalMHA.from_torch(ref), x, ref, need_weights=need_weights)
     assert y_diff == 0.0 and (w_diff or 0.0) == 0.0, f"{threads} threads: {y_diff:.3e}, {w_diff}"
-
-
-@pytest.mark.parametrize("need_weights", [False, True])
-def test_mha_bit_identical_in_float64(need_weights):
-    ref = torch_mha(192, 8, dtype=torch.float64, seed=4)
-    ours = mha.CausalMHA.from_torch(ref)
-    assert ours.in_proj.weight.dtype == torch.float64
-    x = torch.randn(2, 20, 192, dtype=torch.float64)
-    y_diff, w_diff = mha.max_diff_vs_torch(ours, x, ref, need_weights=need_weights)
-    assert y_diff == 0.0 and (w_diff or 0.0) == 0.0, f"float64: {y_diff:.3e}, {w_diff}"
-
-
-def test_mha_bit_identical_without_bias():
-    ref = torch_mha(256, 8, bias=False, seed=5)
-    ours = mha.CausalMHA.from_torch(ref)
-    assert ours.in_proj.bias is None and ours.out_proj.bias is None
-    y_diff, _ = mha.max_diff_vs_torch(ours, torch.randn(2, 9, 256), ref)
-    assert y_diff == 0.0, f"{y_diff:.3e}"
 
 
 def test_biases_are_really_random():
