@@ -83,8 +83,8 @@ def bench_whole_run(rounds=5):
           f"{verdict(run_s / floor_s <= 1.6)} (<= 1.6)\n")
 
 
-def decode_module(kv, S, d=4096, h=32):
-    """A d=4096, 32-head module and a cache holding S tokens (real pages: written, not just reserved)."""
+def decode_module(kv, S, d, h):
+    """A (d, h) module with kv K/V heads and a cache holding S tokens (written, so its pages are real)."""
     torch.manual_seed(0)
     attn = mha.CausalMHA(d, h, kv).eval()
     cache = attn.new_cache(1, S + 1)
@@ -103,7 +103,7 @@ def decode_times(S, h=32, dh=128):
     Also returns the measured read bandwidth and the bytes of MHA's cache.
     """
     x, q = torch.randn(1, 1, h * dh), torch.randn(1, h, 1, dh)
-    modules = [decode_module(kv, S) for kv in KINDS.values()]
+    modules = [decode_module(kv, S, h * dh, h) for kv in KINDS.values()]
 
     def step(attn, cache):
         cache.length = S                       # rewind, so every call decodes token S + 1

@@ -1,5 +1,6 @@
 """The script as a user runs it: output, figures, errors, and no side effects on import."""
 
+import gc
 import os
 import subprocess
 import sys
@@ -114,7 +115,10 @@ def test_a_failing_check_says_fail_and_exits_1(tmp_path, monkeypatch, capsys):
         return mha.swap_query_heads(right(ref), 2, 3)
 
     monkeypatch.setattr(mha.CausalMHA, "from_torch", staticmethod(wrong))
-    assert mha.main(["--out-dir", str(tmp_path)]) == 1
+    try:
+        assert mha.main(["--out-dir", str(tmp_path)]) == 1
+    finally:
+        gc.unfreeze()                      # main() froze this test process's objects; give them back
     out = capsys.readouterr().out
     assert "MHA   max |ours - nn.MultiheadAttention|" in out and "FAIL  (must be exactly 0)" in out
     assert out.rstrip().endswith("All checks: FAIL")
