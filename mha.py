@@ -418,12 +418,12 @@ def print_cache_table(n_kv_heads):
     print("   bytes = 2 (K and V) x layers x K/V heads x dh x tokens x bytes per number")
     print("   GB = 1e9 bytes: 2^31 bytes is 2.15 GB but 2.00 GiB")
     kv_list = set(LLAMA_CONFIGS.values()) | ({n_kv_heads} if LLAMA_HEADS % n_kv_heads == 0 else set())
+    mha_bytes = llama_cache_bytes(LLAMA_HEADS)
     print(f"   {'config':<8}{'n_kv_heads':>11}{'KV cache':>11}{'shrink':>8}")
     for kv in sorted(kv_list, reverse=True):
         n = llama_cache_bytes(kv)
         note = "   <- your n_kv_heads" if kv == n_kv_heads else ""
-        print(f"   {attention_kind(LLAMA_HEADS, kv):<8}{kv:>11}{gb(n):>8.2f} GB{llama_cache_bytes(LLAMA_HEADS) // n:>7}x"
-              f"{note}")
+        print(f"   {attention_kind(LLAMA_HEADS, kv):<8}{kv:>11}{gb(n):>8.2f} GB{mha_bytes // n:>7}x{note}")
 
 
 def published_rows():
