@@ -104,6 +104,8 @@ def causal_mask(T, S, dtype=torch.float32):
 
     The T new tokens are the last T of the S keys, so token i sees keys 0 .. S - T + i.
     causal_mask(2, 3) == [[0, 0, -inf], [0, 0, 0]]
+    Not F.scaled_dot_product_attention(is_causal=True): with T < S it aligns the triangle top-left, so
+    new token i would see only keys 0 .. i and miss most of the cache.
     """
     return torch.full((T, S), float("-inf"), dtype=dtype).triu(S - T + 1)
 
