@@ -62,6 +62,7 @@ CACHE_TOKENS = 4096               # context length of the tables
 CACHE_BYTES_PER_ELEM = 2          # fp16
 GPU_CACHE_GB = 40                 # memory set aside for the cache on one GPU, GB (1 GB = 1e9 bytes)
 DECODE_CONTEXTS = (256, 512, 1024, 2048, 4096, 8192)   # cached tokens at which a decode step is timed
+DECODE_ROUNDS = 5                 # each decode time is the best of this many rounds
 
 # Published shapes: (layers, query heads, K/V heads, head width).
 PUBLISHED_MODELS = {
@@ -478,10 +479,9 @@ def check_cache(n_kv_heads, seed):
     return ok & report(f"{kind:<5} {prompt} tokens, then 1 at a time, vs full forward", diff, 1e-5)
 
 
-def time_it(fn, reps, warmup=True):
-    """Best of `reps` wall-clock times of fn(), in seconds, after one warm-up call unless told not to."""
-    if warmup:
-        fn()
+def time_it(fn, reps):
+    """Best of `reps` wall-clock times of fn(), in seconds, after one warm-up call."""
+    fn()
     best = float("inf")
     for _ in range(reps):
         t0 = time.perf_counter()
@@ -500,7 +500,7 @@ def read_floor(n_kv_heads, S, bandwidth):
     return kv_cache_bytes(1, n_kv_heads, LLAMA_D_HEAD, S, bytes_per_elem=4) / bandwidth
 
 
-def measure_decode(contexts=DECODE_CONTEXTS, kv_heads=LLAMA_CONFIGS, reps=5):
+def measure_decode(contexts=DECODE_CONTEXTS, kv_heads=LLAMA_CONFIGS, reps=DECODE_ROUNDS):
     """Seconds per decode step of one layer's attention over S cached tokens, per config and S.
 
     Returns {kind: [seconds per context]} and the measured read bandwidth in bytes/s. The cache is a
@@ -520,14 +520,16 @@ def measure_decode(contexts=DECODE_CONTEXTS, kv_heads=LLAMA_CONFIGS, reps=5):
             step()
         for _ in range(reps):
             for key, step in steps.items():
-                best[key] = min(best[key], time_it(step, reps=1, warmup=False))
+                t0 = time.perf_counter()
+                step()
+                best[key] = min(best[key], time.perf_counter() - t0)
         bandwidth = memory_bandwidth(k, reps=10)
     return {kind: [best[kind, S] for S in contexts] for kind in kv_heads}, bandwidth
 
 
 def print_decode_table(times, bandwidth, contexts=DECODE_CONTEXTS, kv_heads=LLAMA_CONFIGS):
     print(f"\n5. Decode step: one layer's attention over its cache ({LLAMA_HEADS} query heads, "
-          f"dh={LLAMA_D_HEAD}, fp32), best of 5, in ms")
+          f"dh={LLAMA_D_HEAD}, fp32), best of {DECODE_ROUNDS}, in ms")
     print(f"   floor = cache bytes / {bandwidth / 1e9:.1f} GB/s (the read bandwidth measured here): "
           "the least time one read of it takes")
     print(f"   {'context':>7}" + "".join(f" |{kind + ' ms':>9}{'floor':>7}{'vs MHA':>7}" for kind in kv_heads))
