@@ -36,6 +36,7 @@ import argparse
 import gc
 import io
 import math
+import operator
 import os
 import sys
 import tempfile
@@ -77,20 +78,33 @@ PUBLISHED_MODELS = {
 
 
 # ----------------------------------------------------------------------------- the module
+def whole_number(name, value):
+    """value as an int if it is a whole number (int, numpy integer, ...), else TypeError in one sentence.
+
+    whole_number("n", np.int64(4)) == 4; whole_number("n", 4.0), ("n", "4") and ("n", True) raise.
+    """
+    try:
+        if not isinstance(value, bool):
+            return operator.index(value)
+    except TypeError:
+        pass
+    raise TypeError(f"{name} must be a whole number, got {value!r}")
+
+
 def check_heads(d_model, n_heads, n_kv_heads):
-    """Raise ValueError, in one sentence naming the values and the rule, unless the shapes fit."""
-    for name, value in (("d_model", d_model), ("n_heads", n_heads), ("n_kv_heads", n_kv_heads)):
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise TypeError(f"{name} must be a whole number, got {value!r}")
+    """The three sizes as ints; TypeError or ValueError, in one sentence naming the value and the rule."""
+    d_model, n_heads, n_kv_heads = (whole_number(name, value) for name, value in
+                                    (("d_model", d_model), ("n_heads", n_heads), ("n_kv_heads", n_kv_heads)))
     if n_heads < 1:
         raise ValueError(f"n_heads must be at least 1, got {n_heads}")
     if d_model < 1 or d_model % n_heads:
         raise ValueError(f"d_model={d_model} must be a positive multiple of n_heads={n_heads}")
     if not 1 <= n_kv_heads <= n_heads or n_heads % n_kv_heads:
         raise ValueError(
-            f"n_kv_heads={n_kv_heads} must divide n_heads={n_heads} "
+            f"n_kv_heads={n_kv_heads} must be a positive divisor of n_heads={n_heads} "
             f"(1 = MQA, {n_heads} = MHA, a divisor in between = GQA)"
         )
+    return d_model, n_heads, n_kv_heads
 
 
 def attention_kind(n_heads, n_kv_heads):
@@ -193,7 +207,7 @@ class CausalMHA(nn.Module):
     def __init__(self, d_model, n_heads, n_kv_heads=None, bias=True):
         super().__init__()
         n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
-        check_heads(d_model, n_heads, n_kv_heads)
+        d_model, n_heads, n_kv_heads = check_heads(d_model, n_heads, n_kv_heads)
         self.d_model, self.n_heads, self.n_kv_heads = d_model, n_heads, n_kv_heads
         self.d_head = d_model // n_heads
         self.in_proj = nn.Linear(d_model, (n_heads + 2 * n_kv_heads) * self.d_head, bias=bias)
@@ -296,6 +310,46 @@ class CausalMHA(nn.Module):
                 ref.in_proj_bias.copy_(widen(self.in_proj.bias))
                 ref.out_proj.bias.copy_(self.out_proj.bias)
         return ref.train(self.training)
+
+    def to_gqa(self, n_kv_heads, pool="mean"):
+        """A new CausalMHA with fewer K/V heads, made from this one as Ainslie et al. 2023 (section 2.1) do.
+
+        Queries and out_proj are copied. The K/V heads are cut into n_kv_heads groups of r consecutive
+        heads (the groups of repeat_interleave), and each group becomes one head: the mean of its r
+        heads' weight and bias rows (pool="mean"), or its first head's (pool="first").
+            4 K/V heads to 2, mean:   [k0, k1 | k2, k3] -> [(k0 + k1) / 2, (k2 + k3) / 2]
+        A converted model needs some further training ("uptraining") to recover its quality.
+        """
+        kv, h, dh = self.n_kv_heads, self.n_heads, self.d_head
+        new_kv = whole_number("n_kv_heads", n_kv_heads)
+        if new_kv < 1 or kv % new_kv:
+            raise ValueError(f"n_kv_heads={new_kv} must be a positive divisor of this module's {kv} K/V heads")
+        if pool not in ("mean", "first"):
+            raise ValueError(f"pool={pool!r} must be 'mean' or 'first'")
+        r = kv // new_kv
+
+        def pool_heads(t):                                 # rows of r*new_kv heads -> rows of new_kv heads
+            t = t.unflatten(0, (new_kv, r, dh))            # (new_kv, r, dh, ...)
+            first = t[:, 0]                                # (new_kv, dh, ...)
+            if pool == "first":
+                return first.flatten(0, 1)
+            # first + mean of the differences to it: the mean, and exactly the shared value when a
+            # group's heads are equal (a plain mean of three equal floats can round).
+            return (first + (t - first.unsqueeze(1)).mean(1)).flatten(0, 1)   # (new_kv*dh, ...)
+
+        def narrow(t):                                     # rows (h + 2kv) dh -> (h + 2 new_kv) dh
+            q, k, v = t.split([h * dh, kv * dh, kv * dh])
+            return torch.cat([q, pool_heads(k), pool_heads(v)])
+
+        has_bias = self.in_proj.bias is not None
+        out = CausalMHA(self.d_model, h, new_kv, bias=has_bias).to(self.in_proj.weight.dtype)
+        with torch.no_grad():
+            out.in_proj.weight.copy_(narrow(self.in_proj.weight))
+            out.out_proj.weight.copy_(self.out_proj.weight)
+            if has_bias:
+                out.in_proj.bias.copy_(narrow(self.in_proj.bias))
+                out.out_proj.bias.copy_(self.out_proj.bias)
+        return out.train(self.training)
 
 
 # ----------------------------------------------------------------------------- checks against PyTorch

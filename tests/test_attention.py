@@ -136,10 +136,10 @@ def test_output_shape_and_attributes():
     (100, 8, None, ["d_model=100", "n_heads=8", "multiple"]),
     (64, 0, None, ["n_heads", "at least 1", "0"]),
     (64, -2, 1, ["n_heads", "at least 1", "-2"]),
-    (64, 8, 3, ["n_kv_heads=3", "divide", "n_heads=8"]),
-    (64, 8, 0, ["n_kv_heads=0", "divide"]),
-    (64, 8, 16, ["n_kv_heads=16", "divide"]),
-    (64, 8, -4, ["n_kv_heads=-4"]),
+    (64, 8, 3, ["n_kv_heads=3", "positive divisor", "n_heads=8"]),
+    (64, 8, 0, ["n_kv_heads=0", "positive divisor"]),
+    (64, 8, 16, ["n_kv_heads=16", "positive divisor"]),
+    (64, 8, -4, ["n_kv_heads=-4", "positive divisor"]),
 ])
 def test_bad_configurations_say_what_and_why(d, h, kv, words):
     with pytest.raises(ValueError) as e:
@@ -184,3 +184,71 @@ def test_causal_mask_aligns_new_tokens_bottom_right():
     m = mha.causal_mask(2, 4)
     assert m.tolist() == [[0, 0, 0, float("-inf")], [0, 0, 0, 0]]
     assert torch.equal(mha.causal_mask(3, 3), torch.full((3, 3), float("-inf")).triu(1))
+
+
+# ----------------------------------------------------------------------------- to_gqa (MHA -> GQA conversion)
+def tie_kv_heads_in_groups(attn, r):
+    """Make every group of r consecutive K/V heads equal (to its first head), in place."""
+    h, kv, dh = attn.n_heads, attn.n_kv_heads, attn.d_head
+    with torch.no_grad():
+        for t in (attn.in_proj.weight, attn.in_proj.bias):
+            for start in (h * dh, (h + kv) * dh):                  # K rows, then V rows
+                heads = t[start:start + kv * dh].unflatten(0, (kv // r, r, dh))  # (groups, r, dh, ...)
+                heads.copy_(heads[:, :1].expand_as(heads))
+    return attn
+
+
+@pytest.mark.parametrize("h, kv, new_kv", [(6, 6, 2), (6, 6, 1), (8, 8, 4), (8, 4, 2), (12, 6, 2), (8, 2, 2)])
+@pytest.mark.parametrize("pool", ["mean", "first"])
+def test_to_gqa_of_equal_heads_is_the_same_function(h, kv, new_kv, pool):
+    """Known answer: if each group's K/V heads are already equal, pooling them changes no weight."""
+    attn = tie_kv_heads_in_groups(gqa_module(16 * h, h, kv, seed=11), kv // new_kv)
+    out = attn.to_gqa(new_kv, pool=pool)
+    assert (out.n_heads, out.n_kv_heads, out.d_head) == (h, new_kv, 16)
+    for (name, p), (_, q) in zip(attn.to_torch().named_parameters(), out.to_torch().named_parameters()):
+        assert torch.equal(p, q), name
+    x = torch.randn(2, 7, 16 * h)
+    with torch.no_grad():
+        assert torch.equal(attn(x), out(x))
+
+
+def test_to_gqa_mean_and_first_on_a_hand_made_module():
+    """4 K/V heads of width 1 with known values, pooled to 2: the mean or the first of each pair."""
+    attn = mha.CausalMHA(4, 4, 4)
+    with torch.no_grad():
+        attn.in_proj.weight.copy_(torch.arange(12.0).unsqueeze(1).expand(12, 4))   # row i is all i
+        attn.in_proj.bias.copy_(-torch.arange(12.0))
+    mean, first = attn.to_gqa(2), attn.to_gqa(2, pool="first")
+    assert mean.in_proj.weight[:, 0].tolist() == [0, 1, 2, 3, 4.5, 6.5, 8.5, 10.5]
+    assert first.in_proj.weight[:, 0].tolist() == [0, 1, 2, 3, 4, 6, 8, 10]
+    assert mean.in_proj.bias.tolist() == [-0.0, -1, -2, -3, -4.5, -6.5, -8.5, -10.5]
+    assert torch.equal(mean.out_proj.weight, attn.out_proj.weight)
+    mqa = attn.to_gqa(1)
+    assert mqa.in_proj.weight[:, 0].tolist() == [0, 1, 2, 3, 5.5, 9.5]
+
+
+def test_to_gqa_copies_and_keeps_dtype_mode_and_bias():
+    attn = gqa_module(64, 4, 4, torch.float64).train(False)
+    out = attn.to_gqa(4)
+    assert out is not attn and out.in_proj.weight.dtype == torch.float64 and not out.training
+    assert torch.equal(out.in_proj.weight, attn.in_proj.weight)
+    out.in_proj.weight.data.zero_()
+    assert attn.in_proj.weight.abs().max() > 0                       # a copy, not a view
+    no_bias = mha.CausalMHA(64, 4, 2, bias=False).to_gqa(1)
+    assert no_bias.in_proj.bias is None and no_bias.n_kv_heads == 1
+
+
+@pytest.mark.parametrize("kv, pool, error, words", [
+    (3, "mean", ValueError, ["n_kv_heads=3", "positive divisor", "4 K/V heads"]),
+    (8, "mean", ValueError, ["n_kv_heads=8", "positive divisor"]),
+    (0, "mean", ValueError, ["n_kv_heads=0"]),
+    (-2, "mean", ValueError, ["n_kv_heads=-2"]),
+    (2.0, "mean", TypeError, ["whole number", "2.0"]),
+    (2, "max", ValueError, ["'max'", "'mean' or 'first'"]),
+])
+def test_to_gqa_refuses_in_one_sentence(kv, pool, error, words):
+    with pytest.raises(error) as e:
+        mha.CausalMHA(64, 8, 4).to_gqa(kv, pool=pool)
+    for w in words:
+        assert w in str(e.value)
+    assert "\n" not in str(e.value)
