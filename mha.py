@@ -33,13 +33,15 @@ Shapes, one alphabet throughout:
 """
 
 import argparse
+import errno
 import gc
 import io
+import itertools
 import math
 import operator
 import os
+import platform
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 
@@ -58,9 +60,9 @@ OUT_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "figures")
 
 # The KV-cache table, its figure and the decode timing use Llama-7B-shaped attention.
 LLAMA_LAYERS, LLAMA_HEADS, LLAMA_D_HEAD = 32, 32, 128    # layers, query heads, head width
-LLAMA_CONFIGS = {"MHA": 32, "GQA-8": 8, "GQA-4": 4, "MQA": 1}   # name: K/V heads
+LLAMA_KV_HEADS = (32, 8, 4, 1)    # K/V heads compared: MHA, GQA-8, GQA-4, MQA (divisors of 32, 32 among them)
 CACHE_TOKENS = 4096               # context length of the tables
-CACHE_BYTES_PER_ELEM = 2          # fp16
+CACHE_BYTES_PER_ELEM = 2          # bytes per cached number: 2 = fp16/bf16, 1 = fp8, 4 = fp32
 GPU_CACHE_GB = 40                 # memory set aside for the cache on one GPU, GB (1 GB = 1e9 bytes)
 DECODE_CONTEXTS = (256, 512, 1024, 2048, 4096, 8192)   # cached tokens at which a decode step is timed
 DECODE_ROUNDS = 5                 # each decode time is the best of this many rounds
@@ -143,13 +145,18 @@ def attend(q, k, v, need_weights=False):
     B, h, T, dh = q.shape
     kv, S = k.shape[1], k.shape[2]
     g = h // kv
-    q = q.reshape(B, kv, g * T, dh)                        # (B, kv, g*T, dh), rows in (g, T) order
+    # Row r of group j is query head j*g + r // T at token r % T. E.g. h=8, kv=2 (g=4), T=3: group 1
+    # holds heads 4..7, and its row 5 is head 4 + 5 // 3 = 5 at token 5 % 3 = 2. q is a permuted view
+    # of the projection, so this reshape copies q (T tokens' worth); k and v are read where they lie.
+    q = q.reshape(B, kv, g * T, dh)                        # (B, kv, g*T, dh)
     # (g*T, S): the (T, S) mask once for each query head of a group. A decode step (T = 1) needs
     # none, since a single new token sees every key.
     mask = causal_mask(T, S, q.dtype).repeat(g, 1) if T > 1 or need_weights else None
     if need_weights:
         # The order nn.MultiheadAttention uses when it returns weights: scale q by sqrt(1/dh) first,
-        # then q k^T + mask in one baddbmm. Any other order can change the last bit.
+        # then q k^T + mask in one baddbmm. Any other order can change the last bit. baddbmm takes a
+        # mask even at T == 1, where it is all zeros and changes no bit. (Merging B and kv below
+        # copies a cache's k and v: this path is for looking at weights, not for serving.)
         q = q * math.sqrt(1.0 / dh)
         scores = torch.baddbmm(mask, q.reshape(B * kv, g * T, dh),  # (B*kv, g*T, dh)
                                k.reshape(B * kv, S, dh).transpose(1, 2))  # (B*kv, dh, S)
@@ -171,6 +178,15 @@ def attend_by_copying(q, k, v):
     k = k.repeat_interleave(g, dim=1)                      # (B, h, S, dh), a real copy
     v = v.repeat_interleave(g, dim=1)                      # (B, h, S, dh)
     return F.scaled_dot_product_attention(q, k, v)         # (B, h, 1, dh): a decode step, no mask
+
+
+def overlap(a, b):
+    """Whether tensors a and b could share any byte of memory (their address ranges meet)."""
+    def span(t):
+        last = sum((n - 1) * stride for n, stride in zip(t.shape, t.stride())) if t.numel() else -1
+        return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
+    (a0, a1), (b0, b1) = span(a), span(b)
+    return a0 < b1 and b0 < a1
 
 
 @dataclass
@@ -221,9 +237,11 @@ class CausalMHA(nn.Module):
         """
         B, T = self._check_input(x, cache)
         h, kv, dh = self.n_heads, self.n_kv_heads, self.d_head
-        # Project time-major, as nn.MultiheadAttention does: it turns (B, T, d) into (T, B, d) first.
-        # Through that transposed view nn.Linear multiplies, then adds the bias; on a contiguous input
-        # it would fold the bias into the matrix multiply (addmm), a different rounding. Writing
+        # The textbook form projects batch-major and splits the heads off:
+        #     q = q.view(B, T, h, dh).transpose(1, 2)      # (B, T, d) -> (B, T, h, dh) -> (B, h, T, dh)
+        # Below is the same layout reached from time-major, (T, B, d), only because nn.MultiheadAttention
+        # projects that way: through the transposed view nn.Linear multiplies, then adds the bias; on a
+        # contiguous input it folds the bias into the multiply (addmm), a different rounding. Writing
         # self.in_proj(x).transpose(0, 1) puts the same numbers in the same places, and yet the MHA
         # check of the default run then reads 2.38e-07 instead of 0: this transpose is the last bit.
         qkv = self.in_proj(x.transpose(0, 1))              # (T, B, (h + 2kv) dh)
@@ -239,7 +257,8 @@ class CausalMHA(nn.Module):
         return (y, p) if need_weights else y
 
     def _check_input(self, x, cache):
-        """Raise ValueError, naming what was given and what is needed, before anything is computed."""
+        """Raise an error in one sentence, naming what was given and what is needed, before anything
+        is computed or written."""
         if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[-1] != self.d_model:
             got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
             raise ValueError(f"x must have shape (B, T, {self.d_model}), got {got}")
@@ -250,17 +269,35 @@ class CausalMHA(nn.Module):
         if x.dtype != dtype:
             raise ValueError(f"x is {x.dtype} but this module computes in {dtype}; convert one to the other")
         if cache is not None:
-            want = (B, self.n_kv_heads, cache.k.shape[2], self.d_head)
-            if tuple(cache.k.shape) != want or cache.k.dtype != dtype:
-                raise ValueError(f"the cache holds K of shape {tuple(cache.k.shape)} in {cache.k.dtype}, "
-                                 f"this call needs {want} in {dtype}")
-            if not 0 <= cache.length <= cache.k.shape[2] - T:
-                raise ValueError(f"the cache holds {cache.length} of at most {cache.k.shape[2]} tokens "
-                                 f"and cannot take {T} more")
+            self._check_cache(cache, B, T, x)
         return B, T
+
+    def _check_cache(self, cache, B, T, x):
+        """The cache must fit this call and have room for T more tokens; else one sentence, nothing written."""
+        if torch.is_grad_enabled() and (x.requires_grad or self.in_proj.weight.requires_grad):
+            raise RuntimeError("decoding with a cache writes it in place, which autograd cannot follow: call "
+                               "the module under torch.no_grad() or torch.inference_mode()")
+        dtype = self.in_proj.weight.dtype
+        for name in ("k", "v"):
+            t = getattr(cache, name)
+            want = (B, self.n_kv_heads, t.shape[2] if isinstance(t, torch.Tensor) and t.dim() == 4 else "max_len",
+                    self.d_head)
+            if not isinstance(t, torch.Tensor) or tuple(t.shape) != want or t.dtype != dtype:
+                got = f"{tuple(t.shape)} in {t.dtype}" if isinstance(t, torch.Tensor) else type(t).__name__
+                raise ValueError(f"the cache holds {name.upper()} of {got}, this call needs {want} in {dtype}")
+        if cache.k.shape != cache.v.shape:
+            raise ValueError(f"the cache's K {tuple(cache.k.shape)} and V {tuple(cache.v.shape)} must have one shape")
+        if overlap(cache.k, cache.v):
+            raise ValueError("the cache's K and V share memory, so writing V would overwrite K: give each "
+                             "its own tensor")
+        cache.length = whole_number("cache.length", cache.length)
+        if not 0 <= cache.length <= cache.k.shape[2] - T:
+            raise ValueError(f"the cache holds {cache.length} of at most {cache.k.shape[2]} tokens "
+                             f"and cannot take {T} more")
 
     def new_cache(self, batch, max_len):
         """An empty KVCache for `batch` sequences of up to `max_len` tokens, in this module's dtype."""
+        batch, max_len = whole_number("batch", batch), whole_number("max_len", max_len)
         if batch < 1 or max_len < 1:
             raise ValueError(f"a cache needs batch >= 1 and max_len >= 1, got batch={batch}, max_len={max_len}")
         shape = (batch, self.n_kv_heads, max_len, self.d_head)      # (B, kv, max_len, dh)
@@ -270,7 +307,8 @@ class CausalMHA(nn.Module):
     @classmethod
     def from_torch(cls, ref):
         """A CausalMHA (MHA) with the weights of an nn.MultiheadAttention(d, h, batch_first=True)."""
-        if not (ref.batch_first and ref._qkv_same_embed_dim and ref.bias_k is None and not ref.add_zero_attn):
+        same_dims = ref.kdim == ref.vdim == ref.embed_dim
+        if not (ref.batch_first and same_dims and ref.bias_k is None and not ref.add_zero_attn):
             raise ValueError("from_torch copies only nn.MultiheadAttention(d, h, batch_first=True) "
                              "without kdim, vdim, add_bias_kv or add_zero_attn")
         if ref.dropout:
@@ -297,17 +335,18 @@ class CausalMHA(nn.Module):
         dtype = self.in_proj.weight.dtype
         ref = nn.MultiheadAttention(d, h, bias=has_bias, batch_first=True, dtype=dtype)
 
-        def widen(t):                                      # rows (h + 2kv) dh -> (3h) dh
-            q, k, v = t.split([h * dh, kv * dh, kv * dh])
-            k = k.unflatten(0, (kv, dh)).repeat_interleave(g, dim=0).flatten(0, 1)  # (h*dh, ...)
-            v = v.unflatten(0, (kv, dh)).repeat_interleave(g, dim=0).flatten(0, 1)  # (h*dh, ...)
-            return torch.cat([q, k, v])
-
+        w = self.in_proj.weight                            # ((h + 2kv) dh, d), plus the bias as a column:
+        if has_bias:                                       # each row's weights and bias travel together
+            w = torch.cat([w, self.in_proj.bias.unsqueeze(1)], dim=1)   # ((h + 2kv) dh, d + 1)
+        q, k, v = w.split([h * dh, kv * dh, kv * dh])
+        k = k.unflatten(0, (kv, dh)).repeat_interleave(g, dim=0).flatten(0, 1)   # (kv, dh, .) -> (h*dh, .)
+        v = v.unflatten(0, (kv, dh)).repeat_interleave(g, dim=0).flatten(0, 1)   # (kv, dh, .) -> (h*dh, .)
+        w = torch.cat([q, k, v])                           # (3 h dh, d [+ 1])
         with torch.no_grad():
-            ref.in_proj_weight.copy_(widen(self.in_proj.weight))
+            ref.in_proj_weight.copy_(w[:, :d])
             ref.out_proj.weight.copy_(self.out_proj.weight)
             if has_bias:
-                ref.in_proj_bias.copy_(widen(self.in_proj.bias))
+                ref.in_proj_bias.copy_(w[:, d])
                 ref.out_proj.bias.copy_(self.out_proj.bias)
         return ref.train(self.training)
 
@@ -460,7 +499,7 @@ def kv_cache_bytes(n_layers, n_kv_heads, d_head, seq_len, batch=1, bytes_per_ele
 
 
 def llama_cache_bytes(n_kv_heads, tokens=CACHE_TOKENS):
-    """The cache of the Llama-7B shape above with n_kv_heads K/V heads, fp16, batch 1."""
+    """The cache of the Llama-7B shape above with n_kv_heads K/V heads, batch 1."""
     return kv_cache_bytes(LLAMA_LAYERS, n_kv_heads, LLAMA_D_HEAD, tokens, bytes_per_elem=CACHE_BYTES_PER_ELEM)
 
 
@@ -468,23 +507,31 @@ def gb(n_bytes):
     return n_bytes / 1e9
 
 
+def cache_dtype():
+    """The number format CACHE_BYTES_PER_ELEM stands for, for titles: 'fp16' for 2 bytes."""
+    return {1: "fp8", 2: "fp16", 4: "fp32"}.get(CACHE_BYTES_PER_ELEM, f"{CACHE_BYTES_PER_ELEM}-byte numbers")
+
+
 def print_cache_table(n_kv_heads):
-    """The Llama-7B-shaped table for MHA, GQA-8, GQA-4, MQA, and the knob's n_kv_heads if it is another."""
+    """The Llama-7B-shaped table, with the row whose group size g is the demo's marked (and added if missing)."""
     print(f"\n2. KV cache of a Llama-7B-shaped model ({LLAMA_LAYERS} layers, {LLAMA_HEADS} query heads, "
-          f"dh={LLAMA_D_HEAD}, fp16, {CACHE_TOKENS} tokens, batch 1)")
+          f"dh={LLAMA_D_HEAD}, {cache_dtype()}, {CACHE_TOKENS} tokens, batch 1)")
     print("   bytes = 2 (K and V) x layers x K/V heads x dh x tokens x bytes per number")
-    print("   GB = 1e9 bytes: 2^31 bytes is 2.15 GB but 2.00 GiB")
-    kv_list = set(LLAMA_CONFIGS.values()) | ({n_kv_heads} if LLAMA_HEADS % n_kv_heads == 0 else set())
     mha_bytes = llama_cache_bytes(LLAMA_HEADS)
+    print(f"   GB = 1e9 bytes: MHA's {mha_bytes:,} bytes are {gb(mha_bytes):.2f} GB but {mha_bytes / 2**30:.2f} GiB")
+    g = N_HEADS // n_kv_heads                              # query heads per K/V head in the demo
+    same_g = LLAMA_HEADS // g if LLAMA_HEADS % g == 0 else None
     print(f"   {'config':<8}{'n_kv_heads':>11}{'KV cache':>11}{'shrink':>8}")
-    for kv in sorted(kv_list, reverse=True):
+    for kv in sorted(set(LLAMA_KV_HEADS) | {same_g} - {None}, reverse=True):
         n = llama_cache_bytes(kv)
-        note = "   <- your n_kv_heads" if kv == n_kv_heads else ""
+        note = f"   <- g = {g} query heads per K/V head, as in your demo" if kv == same_g else ""
         print(f"   {attention_kind(LLAMA_HEADS, kv):<8}{kv:>11}{gb(n):>8.2f} GB{mha_bytes // n:>7}x{note}")
+    if same_g is None:
+        print(f"   (your demo's g = {g} does not divide {LLAMA_HEADS} query heads: no row has it)")
 
 
 def published_rows():
-    """(name, layers, h, kv, dh, bytes at 4096 tokens fp16, requests that fit in GPU_CACHE_GB)."""
+    """(name, layers, h, kv, dh, cache bytes at CACHE_TOKENS tokens, requests that fit in GPU_CACHE_GB)."""
     rows = []
     for name, (layers, h, kv, dh) in PUBLISHED_MODELS.items():
         variants = [(name, kv)]
@@ -497,7 +544,7 @@ def published_rows():
 
 
 def print_published_table():
-    print(f"\n3. Published models at their own shapes (fp16, {CACHE_TOKENS} tokens, batch 1): "
+    print(f"\n3. Published models at their own shapes ({cache_dtype()}, {CACHE_TOKENS} tokens, batch 1): "
           f"how many requests fit in {GPU_CACHE_GB} GB of cache")
     print(f"   {'model':<20}{'layers':>7}{'h':>5}{'kv':>5}{'dh':>5}  {'kind':<7}{'KV cache':>11}{'requests':>10}")
     for label, layers, h, kv, dh, n, fit in published_rows():
@@ -519,7 +566,7 @@ def check_cache(n_kv_heads, seed):
         print(f"  {attention_kind(N_HEADS, kv):<5} {max_len}-token cache: {cache.nbytes:>9,} bytes allocated, "
               f"{want:>9,} by the formula  {'OK' if cache.nbytes == want else 'FAIL'}")
 
-    # Feed the first half as one chunk, then one token at a time; compare with one forward over all.
+    # Feed a prompt as one chunk, then the rest one token at a time; compare with one forward over all.
     torch.manual_seed(seed + 4)
     attn = random_biases(CausalMHA(D_MODEL, N_HEADS, n_kv_heads).eval(), seed + 5)
     x = torch.randn(BATCH, SEQ_LEN, D_MODEL)
@@ -528,113 +575,198 @@ def check_cache(n_kv_heads, seed):
         full = attn(x)
         steps = [attn(x[:, :prompt], cache=cache)]
         steps += [attn(x[:, t:t + 1], cache=cache) for t in range(prompt, SEQ_LEN)]
-    diff = (torch.cat(steps, dim=1) - full).abs().max().item()
-    kind = attention_kind(N_HEADS, n_kv_heads)
-    return ok & report(f"{kind:<5} {prompt} tokens, then 1 at a time, vs full forward", diff, 1e-5)
+    diff = relative_diff(torch.cat(steps, dim=1), full)
+    print(f"  {attention_kind(N_HEADS, n_kv_heads)} cache fed {prompt} tokens, then {SEQ_LEN - prompt} one at a time:")
+    return ok & report("      max |cached - full forward| / max |full forward|", diff, 1e-5)
 
 
-def time_it(fn, reps):
-    """Best of `reps` wall-clock times of fn(), in seconds, after one warm-up call."""
-    fn()
-    best = float("inf")
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
+def relative_diff(a, b):
+    """max |a - b| / max |b|: a difference in units of b's own size, so it does not grow with the input's scale."""
+    return ((a - b).abs().max() / b.abs().max()).item()
 
 
-def memory_bandwidth(buf, reps=5):
-    """Bytes per second at which this machine reads buf once (a sum over a tensor far beyond cache)."""
-    return buf.nbytes / time_it(buf.sum, reps)
+# ----------------------------------------------------------------------------- decode time: a roofline
+# A decode step (T = 1) of one layer does 4 h S dh FLOPs (q k^T and p v, 2 per multiply-add) and reads
+# 2 kv S dh numbers (K and V): h / (2 kv) = g / 2 FLOPs per byte in fp32, g in a 16-bit type. A machine
+# has two ceilings, the bytes per second it reads and the FLOPs per second it computes, so
+#     least time of a step = max(bytes / bandwidth, FLOPs / peak FLOP/s)        (the roofline)
+# Below the ridge, peak / bandwidth FLOPs per byte, the bytes decide (memory-bound); above it, the FLOPs.
+READ_BUFFER_BYTES = 256 * 2**20    # the bandwidth is read off at least this much: far beyond any CPU cache
+MATMUL_N = 512                     # the FLOP/s ceiling: a (512, 512) @ (512, 512) float32 product
+GPU = ("H100 SXM", 989e12, 3.35e12)  # for comparison, datasheet: dense bf16 FLOP/s, memory bytes/s
 
 
-def read_floor(n_kv_heads, S, bandwidth):
-    """Seconds to read one layer's fp32 K and V for S tokens once at `bandwidth` bytes/s: no step is faster."""
-    return kv_cache_bytes(1, n_kv_heads, LLAMA_D_HEAD, S, bytes_per_elem=4) / bandwidth
+def decode_flops(n_heads, d_head, S):
+    """FLOPs of one new token's attention over S keys: 4 h S dh.  decode_flops(32, 128, 4096) == 67108864"""
+    return 4 * n_heads * S * d_head
 
 
-def measure_decode(contexts=DECODE_CONTEXTS, kv_heads=LLAMA_CONFIGS, reps=DECODE_ROUNDS):
-    """Seconds per decode step of one layer's attention over S cached tokens, per config and S.
+def decode_bytes(n_kv_heads, d_head, S, bytes_per_elem=4):
+    """Bytes it reads, one layer's K and V.  decode_bytes(32, 128, 4096) == 134217728 in fp32."""
+    return kv_cache_bytes(1, n_kv_heads, d_head, S, bytes_per_elem=bytes_per_elem)
 
-    Returns {kind: [seconds per context]} and the measured read bandwidth in bytes/s. The cache is a
-    prefix of one preallocated MHA-sized buffer, as in a real server; its contents do not change the time.
-    Each (config, S) keeps its best of `reps` rounds, and every round visits them all in turn, so a
-    moment of load from elsewhere on the machine cannot land on one configuration alone.
+
+@dataclass
+class Ceilings:
+    """What a machine can do at most: read `bandwidth` bytes/s, compute `flops` FLOP/s."""
+    bandwidth: float
+    flops: float
+
+    @property
+    def ridge(self):
+        """The FLOPs per byte at which the two ceilings meet."""
+        return self.flops / self.bandwidth
+
+
+def roofline(flops, n_bytes, ceilings):
+    """(least seconds, 'memory' or 'compute'): max(bytes / bandwidth, FLOPs / peak) and which one it is.
+
+    roofline(100, 10, Ceilings(bandwidth=1, flops=100)) == (10.0, 'memory'): 10 FLOPs a byte, ridge 100.
     """
-    h, dh = LLAMA_HEADS, LLAMA_D_HEAD
-    shape = (1, h, max(contexts), dh)                      # (B, h, S_max, dh): room for every config
-    k, v = torch.full(shape, 0.01), torch.full(shape, 0.02)
+    memory, compute = n_bytes / ceilings.bandwidth, flops / ceilings.flops
+    return (memory, "memory") if memory >= compute else (compute, "compute")
+
+
+def decode_roofline(kv, S, ceilings):
+    """roofline() of one decode step of the Llama-shaped layer with kv K/V heads over S cached tokens."""
+    return roofline(decode_flops(LLAMA_HEADS, LLAMA_D_HEAD, S), decode_bytes(kv, LLAMA_D_HEAD, S), ceilings)
+
+
+def measure_decode(contexts=DECODE_CONTEXTS, kv_heads=LLAMA_KV_HEADS, rounds=DECODE_ROUNDS):
+    """Seconds per decode step of one layer's attention, {kv: [one per context]}, and this machine's Ceilings.
+
+    Every configuration's K and V lie in their own part of one buffer of at least READ_BUFFER_BYTES, as
+    a server preallocates them (their contents do not change the time). Each round times a read of the
+    buffer's end, one matrix multiply, and then every step, longest context first: what a step reads
+    has left the CPU's caches by the time it comes round again, as in a model whose other layers'
+    caches pass through in between. Each measurement keeps its best round, and since every round visits
+    all of them, a moment of load from elsewhere cannot land on one alone.
+    """
+    h, dh, s_max = LLAMA_HEADS, LLAMA_D_HEAD, max(contexts)
+    sizes = [2 * kv * s_max * dh for kv in kv_heads]       # numbers in each configuration's K and V
+    pool = torch.full((max(sum(sizes), READ_BUFFER_BYTES // 4),), 0.01)   # float32, written: in memory
+    read = pool[-(READ_BUFFER_BYTES // 4):]
+    a, b = torch.randn(MATMUL_N, MATMUL_N), torch.randn(MATMUL_N, MATMUL_N)
     q = torch.randn(1, h, 1, dh)                           # (B, h, 1, dh): one new token
-    steps = {(kind, S): (lambda kv=kv, S=S: attend(q, k[:, :kv, :S], v[:, :kv, :S]))  # (B, kv, S, dh)
-             for kind, kv in kv_heads.items() for S in contexts}
-    best = dict.fromkeys(steps, float("inf"))
+    jobs, start = {"read": read.sum, "matmul": lambda: a @ b}, 0
+    for kv, n in zip(kv_heads, sizes):
+        k, v = pool[start:start + n].view(2, 1, kv, s_max, dh)   # (B, kv, s_max, dh) each
+        start += n
+        for S in contexts:
+            jobs[kv, S] = lambda k=k[:, :, :S], v=v[:, :, :S]: attend(q, k, v)   # (B, kv, S, dh)
+    order = ["read", "matmul"] + [(kv, S) for S in sorted(contexts, reverse=True) for kv in kv_heads]
+    best = dict.fromkeys(jobs, float("inf"))
     with torch.no_grad():
-        for step in steps.values():                        # warm-up
-            step()
-        for _ in range(reps):
-            for key, step in steps.items():
+        for key in order:                                  # warm-up
+            jobs[key]()
+        for _ in range(rounds):
+            for key in order:
                 t0 = time.perf_counter()
-                step()
+                jobs[key]()
                 best[key] = min(best[key], time.perf_counter() - t0)
-        bandwidth = memory_bandwidth(k, reps=10)
-    return {kind: [best[kind, S] for S in contexts] for kind in kv_heads}, bandwidth
+    ceilings = Ceilings(bandwidth=read.nbytes / best["read"], flops=2 * MATMUL_N**3 / best["matmul"])
+    return {kv: [best[kv, S] for S in contexts] for kv in kv_heads}, ceilings
 
 
-def print_decode_table(times, bandwidth, contexts=DECODE_CONTEXTS, kv_heads=LLAMA_CONFIGS):
-    print(f"\n5. Decode step: one layer's attention over its cache ({LLAMA_HEADS} query heads, "
-          f"dh={LLAMA_D_HEAD}, fp32), best of {DECODE_ROUNDS}, in ms")
-    print(f"   floor = cache bytes / {bandwidth / 1e9:.1f} GB/s (the read bandwidth measured here): "
-          "the least time one read of it takes")
-    print(f"   {'context':>7}" + "".join(f" |{kind + ' ms':>9}{'floor':>7}{'vs MHA':>7}" for kind in kv_heads))
+def timing_contradictions(times, ceilings, contexts=DECODE_CONTEXTS, slack=0.1):
+    """What in the measurements cannot be true of a quiet machine; [] when they hold together.
+
+    A step more than `slack` faster than its roofline floor, or, from 1024 cached tokens on, a step more
+    than `slack` slower than the same step with more K/V heads (more bytes, the same FLOPs), means that
+    something else ran while it was timed: the ceilings or the steps were measured slow.
+    """
+    problems = []
+    for kv, row in times.items():
+        for S, t in zip(contexts, row):
+            floor, _ = decode_roofline(kv, S, ceilings)
+            if t < (1 - slack) * floor:
+                problems.append(f"{attention_kind(LLAMA_HEADS, kv)} at {S} tokens is {1 - t / floor:.0%} "
+                                "below its floor")
+    ordered = sorted(times, reverse=True)
     for i, S in enumerate(contexts):
-        cells = ""
-        for kind, kv in kv_heads.items():
-            floor = read_floor(kv, S, bandwidth)
-            cells += f" |{times[kind][i] * 1e3:>9.3f}{floor * 1e3:>7.3f}{times['MHA'][i] / times[kind][i]:>6.1f}x"
+        for more, fewer in itertools.pairwise(ordered):
+            if S >= 1024 and times[fewer][i] > (1 + slack) * times[more][i]:
+                problems.append(f"{attention_kind(LLAMA_HEADS, fewer)} is slower than "
+                                f"{attention_kind(LLAMA_HEADS, more)} at {S} tokens")
+    return problems
+
+
+def machine_name():
+    """The CPU the timings ran on, e.g. 'AMD EPYC, 2 threads, avx2' (the model name Linux reports)."""
+    name = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            name = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return f"{name}, {torch.get_num_threads()} threads, {torch.backends.cpu.get_cpu_capability()}"
+
+
+def print_decode_table(times, ceilings, problems, contexts=DECODE_CONTEXTS):
+    h, dh, s_max, kinds = LLAMA_HEADS, LLAMA_D_HEAD, max(contexts), list(times)
+    mha_times = times[h]
+    print(f"\n5. Decode step: one layer's attention over its cache ({h} query heads, dh={dh}, fp32), "
+          f"best of {DECODE_ROUNDS}")
+    print(f"   on {machine_name()}; its two ceilings, measured in the same rounds:")
+    print(f"   read {ceilings.bandwidth / 1e9:.1f} GB/s, float32 matmul {ceilings.flops / 1e9:.0f} GFLOP/s: "
+          f"the ridge is at {ceilings.ridge:.1f} FLOPs per byte")
+    print("   A step does 4 h S dh FLOPs on 2 kv S dh numbers of 4 bytes: g / 2 FLOPs per byte.")
+    print("   floor = max(bytes / read, FLOPs / matmul), the least time a step can take; at "
+          f"{s_max} tokens, in ms:")
+    print(f"   {'config':<7}{'FLOP/byte':>10}  {'bound':<8}{'bytes/read':>11}{'FLOPs/mm':>10}{'floor':>8}"
+          f"{'measured':>10}{'reaches':>9}")
+    for kv in kinds:
+        n_bytes, n_flops = decode_bytes(kv, dh, s_max), decode_flops(h, dh, s_max)
+        floor, bound = decode_roofline(kv, s_max, ceilings)
+        t = times[kv][-1] if s_max == contexts[-1] else times[kv][list(contexts).index(s_max)]
+        print(f"   {attention_kind(h, kv):<7}{n_flops / n_bytes:>10.1f}  {bound:<8}"
+              f"{n_bytes / ceilings.bandwidth * 1e3:>11.3f}{n_flops / ceilings.flops * 1e3:>10.3f}"
+              f"{floor * 1e3:>8.3f}{t * 1e3:>10.3f}{floor / t:>9.0%}")
+    print("   ms per step at every context; roof: the share of its floor it reaches; and the speed-up over MHA:")
+    print(f"   {'context':>7}" + "".join(f" |{attention_kind(h, kv):>8}{'roof':>5}{'vs MHA':>7}" for kv in kinds))
+    for i, S in enumerate(contexts):
+        cells = "".join(f" |{times[kv][i] * 1e3:>8.3f}{decode_roofline(kv, S, ceilings)[0] / times[kv][i]:>5.0%}"
+                        f"{mha_times[i] / times[kv][i]:>6.1f}x" for kv in kinds)
         print(f"   {S:>7}{cells}")
-    print("   Every step reads the whole cache once, so its time grows with the context, and fewer K/V heads"
-          "\n   mean fewer bytes to read. (Small caches fit in the CPU's own caches and can beat the floor.)")
+    if problems:
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        print(f"   NOT TRUSTWORTHY, the machine was busy while timing: {problems[0]}{more}")
+        return
+    print("   " + decode_lesson(times, ceilings, contexts))
+
+
+def decode_lesson(times, ceilings, contexts=DECODE_CONTEXTS):
+    """What the measurements say, in two sentences made from them."""
+    h, i = LLAMA_HEADS, list(contexts).index(max(contexts))
+    bounds = {kv: decode_roofline(kv, contexts[i], ceilings)[1] for kv in times}
+    memory = [attention_kind(h, kv) for kv in times if bounds[kv] == "memory"]
+    compute = [attention_kind(h, kv) for kv in times if bounds[kv] == "compute"]
+    fewest = min(times)
+    speedup = times[h][i] / times[fewest][i]
+    text = f"Memory-bound here: {', '.join(memory) or 'none'}; compute-bound: {', '.join(compute) or 'none'}."
+    text += (f"\n   {attention_kind(h, fewest)} reads {h // fewest}x fewer bytes than MHA for the same FLOPs, and "
+             f"at {contexts[i]} tokens it is {speedup:.1f}x faster")
+    gpu_name, gpu_flops, gpu_bandwidth = GPU
+    gpu_compute = [attention_kind(h, kv) for kv in times if h / kv > gpu_flops / gpu_bandwidth]   # bf16: g per byte
+    text += (f".\n   An {gpu_name} has its ridge at {gpu_flops / gpu_bandwidth:.0f} FLOPs per byte, a bf16 step does g: "
+             f"{'compute-bound there: ' + ', '.join(gpu_compute) if gpu_compute else 'all are memory-bound there'}.")
+    return text
 
 
 # ----------------------------------------------------------------------------- figures
-COLORS = {"MHA": "tab:red", "GQA-8": "tab:orange", "GQA-4": "tab:green", "MQA": "tab:blue"}
-
-
-def save_png(fig, path):
-    """Write fig to path as a PNG, or not at all.
-
-    The PNG goes to a temporary file beside path and is renamed over it only once complete, so an
-    interrupted run never leaves half a file. Agg's PNGs hold no date, only a 'Software' tag naming the
-    matplotlib version, so the same code, seed and version give the same bytes.
-    """
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=100)
-    tmp = f"{path}.{os.getpid()}.tmp"
-    try:
-        with open(tmp, "wb") as f:
-            f.write(buf.getvalue())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+COLORS = ["tab:red", "tab:orange", "tab:green", "tab:blue", "tab:purple", "tab:brown", "tab:pink"]
 
 
 def tokens_label(n):
-    """tokens_label(512) == '512'; tokens_label(8192) == '8k'."""
-    return f"{n // 1024}k" if n >= 1024 else str(n)
+    """tokens_label(8192) == '8k' (multiples of 1024); tokens_label(512) == '512'; tokens_label(5000) == '5,000'."""
+    return f"{n // 1024}k" if n >= 1024 and n % 1024 == 0 else f"{n:,}"
 
 
-def log_axes(ax, xticks, yticks):
-    """Log-log axes with ticks at fixed places, labelled in plain text.
-
-    Left to itself, matplotlib labels log axes as powers (10^-1) through its math-text parser, which
-    alone costs a quarter of a second per figure.
-    """
+def log_axes(ax, xticks, yticks, xlabel=tokens_label):
+    """Log-log axes with ticks at fixed places, in plain text (matplotlib's math text costs 0.25 s a figure)."""
     ax.set_xscale("log")
     ax.set_yscale("log")
-    ax.set_xticks(xticks, [tokens_label(t) for t in xticks])
+    ax.set_xticks(xticks, [xlabel(t) for t in xticks])
     ax.set_yticks(yticks, [f"{t:g}" for t in yticks])
     ax.minorticks_off()
 
@@ -645,7 +777,14 @@ def new_figure(width, height):
     return Figure(figsize=(width, height))
 
 
-def plot_attention_maps(n_kv_heads, seed, path):
+def png_bytes(fig):
+    """The figure as PNG bytes. Agg's PNG holds no date, only matplotlib's version: same code, same bytes."""
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=100)
+    return buf.getvalue()
+
+
+def plot_attention_maps(n_kv_heads, seed):
     """Each head's causal attention probabilities on one random sequence, from need_weights=True."""
     torch.manual_seed(seed + 6)
     attn = CausalMHA(D_MODEL, N_HEADS, n_kv_heads).eval()
@@ -659,7 +798,7 @@ def plot_attention_maps(n_kv_heads, seed, path):
     axes = fig.subplots(rows, cols, squeeze=False, sharex=True, sharey=True)
     fig.subplots_adjust(left=0.07, right=0.88, bottom=0.1, top=1 - 0.7 / (2.3 * rows + 0.7), wspace=0.08,
                         hspace=0.3)
-    ticks = list(range(0, SEQ_LEN, 3))
+    ticks = list(range(0, SEQ_LEN, max(1, SEQ_LEN // 4)))
     for i, ax in enumerate(axes.flat):
         ax.set_visible(i < N_HEADS)
         if i < N_HEADS:
@@ -676,21 +815,23 @@ def plot_attention_maps(n_kv_heads, seed, path):
     fig.suptitle(f"Per-head causal attention, {attention_kind(N_HEADS, n_kv_heads)}: {N_HEADS} query heads share "
                  f"{n_kv_heads} K/V heads, d={D_MODEL}, T={SEQ_LEN}\nrandom untrained weights: each row sums "
                  "to 1 over the keys at or before the query", fontsize=10)
-    save_png(fig, path)
+    return fig
 
 
-def plot_cache_sizes(path):
-    """KV-cache GB of the Llama-7B shape under MHA, GQA-8, GQA-4, MQA: at 4k tokens, and against context."""
+def plot_cache_sizes():
+    """KV-cache GB of the Llama-7B shape per configuration: at CACHE_TOKENS, and against context."""
     fig = new_figure(11, 4.2)
     left, right = fig.subplots(1, 2)
-    sizes = [gb(llama_cache_bytes(kv)) for kv in LLAMA_CONFIGS.values()]
-    bars = left.bar(list(LLAMA_CONFIGS), sizes, color=[COLORS[kind] for kind in LLAMA_CONFIGS])
+    fig.subplots_adjust(left=0.07, right=0.98, bottom=0.13, top=0.84, wspace=0.25)
+    kinds = [attention_kind(LLAMA_HEADS, kv) for kv in LLAMA_KV_HEADS]
+    sizes = [gb(llama_cache_bytes(kv)) for kv in LLAMA_KV_HEADS]
+    bars = left.bar(kinds, sizes, color=COLORS[:len(kinds)])
     left.bar_label(bars, labels=[f"{s:.2f} GB" for s in sizes], fontsize=9)
     left.set_ylabel("KV cache per request (GB, 1 GB = 1e9 bytes)")
-    left.set_title(f"{CACHE_TOKENS} tokens, fp16, batch 1", fontsize=10)
+    left.set_title(f"{CACHE_TOKENS} tokens, {cache_dtype()}, batch 1", fontsize=10)
     context = [2 ** i for i in range(9, 18)]               # 512 .. 131072 tokens
-    for kind, kv in LLAMA_CONFIGS.items():
-        right.plot(context, [gb(llama_cache_bytes(kv, s)) for s in context], marker="o", ms=3, color=COLORS[kind],
+    for kind, kv, color in zip(kinds, LLAMA_KV_HEADS, COLORS):
+        right.plot(context, [gb(llama_cache_bytes(kv, s)) for s in context], marker="o", ms=3, color=color,
                    label=f"{kind} ({kv} K/V heads)")
     right.axhline(GPU_CACHE_GB, color="gray", ls="--", lw=1)
     right.text(context[0], GPU_CACHE_GB * 1.15, f"{GPU_CACHE_GB} GB of GPU memory", fontsize=8, color="gray")
@@ -701,17 +842,18 @@ def plot_cache_sizes(path):
     right.legend(fontsize=8)
     fig.suptitle(f"KV cache of a Llama-7B-shaped model ({LLAMA_LAYERS} layers, {LLAMA_HEADS} query heads, "
                  f"dh={LLAMA_D_HEAD})", fontsize=11)
-    fig.tight_layout()
-    save_png(fig, path)
+    return fig
 
 
-def plot_head_layout(n_kv_heads, path):
+def plot_head_layout(n_kv_heads):
     """Which query heads read which K/V head, for every valid n_kv_heads of the demo model."""
     from matplotlib import colormaps
     from matplotlib.patches import Rectangle
     options = [kv for kv in range(N_HEADS, 0, -1) if N_HEADS % kv == 0]
-    fig = new_figure(max(6.0, 0.75 * N_HEADS + 2.5), 1.5 * len(options) + 0.6)
+    height = 1.5 * len(options) + 0.6
+    fig = new_figure(max(6.0, 0.75 * N_HEADS + 2.5), height)
     axes = fig.subplots(len(options), 1, squeeze=False)[:, 0]
+    fig.subplots_adjust(left=0.02, right=0.98, bottom=0.02, top=1 - 0.55 / height, hspace=0.35)
     cmap = colormaps["tab10"]
     for ax, kv in zip(axes, options):
         g = N_HEADS // kv
@@ -732,71 +874,57 @@ def plot_head_layout(n_kv_heads, path):
         if mine:
             ax.add_patch(Rectangle((-0.08, -0.08), N_HEADS + 0.16, 1.66, fill=False, ec="black", lw=1.5))
     fig.suptitle(f"Which query heads share which K/V head ({N_HEADS} query heads)", fontsize=11)
-    fig.tight_layout()
-    save_png(fig, path)
+    return fig
 
 
-def plot_decode_time(times, bandwidth, path, contexts=DECODE_CONTEXTS, kv_heads=LLAMA_CONFIGS):
-    """Measured decode-step time against context, with the time to read each cache once at full speed."""
-    fig = new_figure(7.5, 4.8)
-    ax = fig.subplots()
-    for kind, kv in kv_heads.items():
-        color = COLORS.get(kind, "black")
-        ax.plot(contexts, [t * 1e3 for t in times[kind]], marker="o", color=color, label=f"{kind} measured")
-        floor = [read_floor(kv, S, bandwidth) * 1e3 for S in contexts]
-        ax.plot(contexts, floor, ls="--", color=color, lw=1, label=f"{kind} reading its cache once")
-    log_axes(ax, contexts, [0.01, 0.1, 1, 10, 100])
-    ax.set_xlabel("cached context (tokens)")
-    ax.set_ylabel("time per decode step (ms)")
-    ax.set_title(f"One layer's attention over its KV cache, {LLAMA_HEADS} query heads, dh={LLAMA_D_HEAD}, "
-                 f"fp32\nmeasured on this CPU; dashed: cache bytes / {bandwidth / 1e9:.0f} GB/s read bandwidth",
-                 fontsize=9)
-    ax.legend(fontsize=7, ncol=2)
-    fig.tight_layout()
-    save_png(fig, path)
+def plot_decode_time(times, ceilings, problems, contexts=DECODE_CONTEXTS):
+    """Left: measured decode time against context, roofline floor dashed. Right: the roofline itself."""
+    h, dh, i_max = LLAMA_HEADS, LLAMA_D_HEAD, list(contexts).index(max(contexts))
+    fig = new_figure(13, 5.2)
+    left, right = fig.subplots(1, 2)
+    fig.subplots_adjust(left=0.06, right=0.98, bottom=0.11, top=0.8, wspace=0.22)
+    for (kv, row), color in zip(times.items(), COLORS):
+        kind = attention_kind(h, kv)
+        left.plot(contexts, [t * 1e3 for t in row], marker="o", color=color, label=f"{kind} measured")
+        left.plot(contexts, [decode_roofline(kv, S, ceilings)[0] * 1e3 for S in contexts], ls="--", color=color,
+                  lw=1, label=f"{kind} roofline floor")
+    log_axes(left, contexts, [0.01, 0.1, 1, 10, 100])
+    left.set_xlabel("cached context S (tokens)")
+    left.set_ylabel("time per decode step (ms)")
+    left.set_title("measured, and the least time the two ceilings allow", fontsize=10)
+    left.legend(fontsize=7, ncol=2)
+
+    intensity = [2 ** e for e in range(-3, 11)]            # FLOPs per byte, 1/8 .. 1024
+    right.plot(intensity, [min(ceilings.flops, ceilings.bandwidth * x) / 1e9 for x in intensity], color="black",
+               label=f"this CPU: {ceilings.bandwidth / 1e9:.0f} GB/s, {ceilings.flops / 1e9:.0f} GFLOP/s")
+    right.axvline(ceilings.ridge, color="black", ls=":", lw=1)
+    gpu_name, gpu_flops, gpu_bandwidth = GPU
+    right.axvline(gpu_flops / gpu_bandwidth, color="gray", ls="--", lw=1,
+                  label=f"{gpu_name} ridge: {gpu_flops / 1e12:.0f} TFLOP/s bf16 / {gpu_bandwidth / 1e12:.2f} TB/s"
+                        f" = {gpu_flops / gpu_bandwidth:.0f}")
+    for (kv, row), color in zip(times.items(), COLORS):
+        flops = decode_flops(h, dh, contexts[i_max])
+        right.plot([flops / decode_bytes(kv, dh, contexts[i_max])], [flops / row[i_max] / 1e9], "o", ms=8,
+                   color=color, label=f"{attention_kind(h, kv)}: g / 2 = {h / kv / 2:g} FLOPs per byte")
+    log_axes(right, [0.125, 1, 8, 64, 512], [1, 10, 100, 1000], xlabel=lambda x: f"{x:g}")
+    right.set_xlabel("arithmetic intensity (FLOPs per byte read)")
+    right.set_ylabel("GFLOP/s")
+    right.set_title(f"the roofline; dots: measured at {contexts[i_max]} tokens", fontsize=10)
+    right.legend(fontsize=7, loc="lower right")
+    fig.suptitle(f"One decode step of one layer's attention, {h} query heads, dh={dh}, fp32, on {machine_name()}",
+                 fontsize=11)
+    if problems:
+        fig.text(0.5, 0.86, "NOT TRUSTWORTHY: the machine was busy while timing, and these numbers contradict "
+                 f"each other ({problems[0]})", ha="center", color="red", fontsize=10)
+    return fig
 
 
 # ----------------------------------------------------------------------------- main
-class Parser(argparse.ArgumentParser):
-    def error(self, message):                              # one line, exit 2, no usage block
-        self.exit(2, f"{self.prog}: error: {message}\n")
-
-
-def parse_args(argv=None):
-    parser = Parser(prog="mha.py", description="Multi-head, grouped-query and multi-query attention: "
-                    "checks, KV-cache tables, decode timings and figures.",
-                    formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--n-kv-heads", type=int, default=N_KV_HEADS,
-                        help=f"K/V heads of the demo model: {N_HEADS} = MHA, a divisor of {N_HEADS} = GQA, 1 = MQA")
-    parser.add_argument("--out-dir", default=OUT_DIR, help="folder the figures are written to")
-    parser.add_argument("--seed", type=int, default=SEED, help="seed for every random number")
-    args = parser.parse_args(argv)
-    try:
-        check_heads(D_MODEL, N_HEADS, args.n_kv_heads)
-    except ValueError as e:
-        parser.error(str(e))
-    if not 0 <= args.seed < 2**32:
-        parser.error(f"--seed {args.seed} must be between 0 and 2**32 - 1")
-    return args
-
-
-def writable_dir(path):
-    """Make path if needed and prove a file can be written there; return an error sentence or None."""
-    try:
-        os.makedirs(path, exist_ok=True)
-        with tempfile.TemporaryFile(dir=path):
-            pass
-    except OSError as e:
-        return f"cannot write figures to '{path}': {e.strerror or e}"
-    return None
-
-
 def main(argv=None):
     args = parse_args(argv)
-    # Python's garbage collector would keep re-walking the 10^5 objects that importing torch created,
-    # a tenth of a second of this run; none of them is garbage, so move them out of its way.
-    gc.freeze()
-    problem = writable_dir(args.out_dir)
+    gc.freeze()                                            # see below: speed only
+    names = ["attention_maps.png", "kv_cache_size.png", "head_layout.png", "decode_time.png"]
+    problem = out_dir_problem(args.out_dir, names)
     if problem:
         print(f"mha.py: error: {problem}", file=sys.stderr)
         return 1
@@ -807,23 +935,141 @@ def main(argv=None):
     print_cache_table(kv)
     print_published_table()
     ok &= check_cache(kv, args.seed)
-    times, bandwidth = measure_decode()
-    print_decode_table(times, bandwidth)
+    times, ceilings = measure_decode()
+    problems = timing_contradictions(times, ceilings)
+    print_decode_table(times, ceilings, problems)
 
-    figures = {
-        "attention_maps.png": lambda p: plot_attention_maps(kv, args.seed, p),
-        "kv_cache_size.png": plot_cache_sizes,
-        "head_layout.png": lambda p: plot_head_layout(kv, p),
-        "decode_time.png": lambda p: plot_decode_time(times, bandwidth, p),
-    }
-    for name, draw in figures.items():
-        draw(os.path.join(args.out_dir, name))
-    shown = os.path.relpath(args.out_dir)
-    print(f"\nFigures written to {os.path.join(args.out_dir if shown.startswith('..') else shown, '')}: "
-          f"{', '.join(figures)}")
+    figures = [plot_attention_maps(kv, args.seed), plot_cache_sizes(), plot_head_layout(kv),
+               plot_decode_time(times, ceilings, problems)]
+    paths = [os.path.join(args.out_dir, name) for name in names]
+    try:
+        write_all(dict(zip(paths, map(png_bytes, figures))))
+    except OSError as e:
+        print(f"mha.py: error: cannot write the figures to '{args.out_dir}': {e.strerror or e}"
+              f"{f' ({e.filename})' if e.filename else ''}; nothing was written", file=sys.stderr)
+        return 1
+    print(f"\nFigures written to {shown_path(args.out_dir)}: {', '.join(names)}")
     print(f"Now change N_KV_HEADS (or pass --n-kv-heads) and run again. All checks: {'OK' if ok else 'FAIL'}")
     return 0 if ok else 1
 
 
+# ----------------------------------------------------------------------------- plumbing (not the lesson)
+# Each helper below exists so that a mistake a user can make ends in one sentence, not a traceback.
+class Parser(argparse.ArgumentParser):
+    def error(self, message):                              # one line and exit 2, without the usage block
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def parse_args(argv=None):
+    """The flags, each defaulting to its knob; a bad value or a knob that cannot work exits 2 in one line."""
+    parser = Parser(prog="mha.py", description="Multi-head, grouped-query and multi-query attention: "
+                    "checks, KV-cache tables, decode timings and figures.",
+                    formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--n-kv-heads", type=int, default=N_KV_HEADS,
+                        help=f"K/V heads of the demo model: {N_HEADS} = MHA, a divisor of {N_HEADS} = GQA, 1 = MQA")
+    parser.add_argument("--out-dir", default=OUT_DIR, help="folder the figures are written to")
+    parser.add_argument("--seed", type=int, default=SEED, help="seed for every random number")
+    args = parser.parse_args(argv)
+    try:
+        check_knobs()
+        check_heads(D_MODEL, N_HEADS, args.n_kv_heads)
+    except (TypeError, ValueError) as e:
+        parser.error(str(e))
+    if not 0 <= args.seed < 2**32:
+        parser.error(f"--seed {args.seed} must be between 0 and 2**32 - 1")
+    return args
+
+
+def check_knobs():
+    """Raise TypeError or ValueError, in one sentence naming the knob, unless every knob at the top can work."""
+    check_heads(D_MODEL, N_HEADS, N_HEADS)
+    for kv in LLAMA_KV_HEADS:
+        check_heads(LLAMA_HEADS * LLAMA_D_HEAD, LLAMA_HEADS, kv)
+    if LLAMA_HEADS not in LLAMA_KV_HEADS:
+        raise ValueError(f"LLAMA_KV_HEADS={LLAMA_KV_HEADS} must include LLAMA_HEADS={LLAMA_HEADS}, the MHA baseline")
+    counts = {"SEQ_LEN": SEQ_LEN, "BATCH": BATCH, "LLAMA_LAYERS": LLAMA_LAYERS, "CACHE_TOKENS": CACHE_TOKENS,
+              "CACHE_BYTES_PER_ELEM": CACHE_BYTES_PER_ELEM, "DECODE_ROUNDS": DECODE_ROUNDS, "GPU_CACHE_GB": GPU_CACHE_GB,
+              **{f"DECODE_CONTEXTS[{i}]": S for i, S in enumerate(DECODE_CONTEXTS)}}
+    if not DECODE_CONTEXTS:
+        raise ValueError("DECODE_CONTEXTS must hold at least one context length")
+    for name, value in counts.items():
+        if whole_number(name, value) < 1:
+            raise ValueError(f"{name}={value} must be at least 1")
+    if SEQ_LEN < 2:
+        raise ValueError(f"SEQ_LEN={SEQ_LEN} must be at least 2: a single token attends only to itself, so "
+                         "its output is v whatever the queries, and no check could see a wrong query")
+
+
+def out_dir_problem(folder, names):
+    """Make folder if needed; say in one sentence why names cannot be written there, or return None."""
+    parent = folder
+    while parent and not os.path.exists(parent):
+        parent = os.path.dirname(parent.rstrip(os.sep))
+    if parent and not os.path.isdir(parent):
+        return f"'{parent}' is a file, not a folder, so the figures cannot go to '{folder}'"
+    try:
+        os.makedirs(folder, exist_ok=True)
+        for name in names:                                 # each figure's path: a regular file or nothing
+            path = os.path.join(folder, name)
+            if os.path.lexists(path) and not os.path.isfile(path):
+                return f"'{path}' exists and is not a file; remove it or choose another --out-dir"
+        probe = temporary_name(os.path.join(folder, max(names, key=len)))   # the longest path written
+        with open(probe, "xb"):
+            pass
+        os.unlink(probe)
+    except OSError as e:
+        if e.errno == errno.ENOENT and os.path.isdir(folder):
+            return f"the folder '{folder}' exists but does not accept new files"
+        return f"cannot write files in the folder '{folder}': {e.strerror or e}"
+    return None
+
+
+def temporary_name(path):
+    """Where write_all puts path's bytes until they are complete."""
+    return f"{path}.{os.getpid()}.tmp"
+
+
+def write_all(files):
+    """Write {path: bytes} all or nothing: every file to a temporary name beside it, then each renamed.
+
+    A full disk or an interruption leaves no partial file and no temporary one; OSError says what failed.
+    """
+    done = {}
+    try:
+        for path, data in files.items():
+            done[path] = temporary_name(path)
+            with open(done[path], "xb") as f:
+                f.write(data)
+        for path, tmp in done.items():
+            os.replace(tmp, path)
+    except BaseException:
+        for tmp in done.values():
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+        raise
+
+
+def save_png(fig, path):
+    """Write one figure as a PNG, all or nothing (see write_all)."""
+    write_all({path: png_bytes(fig)})
+
+
+def shown_path(folder):
+    """The folder as the user would type it: relative to here if it is below here, else as given."""
+    shown = os.path.relpath(folder)
+    return os.path.join(folder if shown.startswith("..") else shown, "")
+
+
+def run_as_script():
+    """main(), ending quietly if the reader of our output goes away (python mha.py | head), as Python's docs advise."""
+    try:
+        code = main()
+        sys.stdout.flush()
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())   # so the exit's own flush is silent
+        code = 1
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run_as_script()

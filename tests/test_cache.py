@@ -98,12 +98,13 @@ def test_overflow_is_refused_and_leaves_the_cache_as_it_was():
     with torch.no_grad():
         attn(torch.randn(2, 6, 128), cache=cache)
     k, v = cache.k.clone(), cache.v.clone()
-    with pytest.raises(ValueError) as e:
+    with torch.no_grad(), pytest.raises(ValueError) as e:
         attn(torch.randn(2, 3, 128), cache=cache)
     assert "6" in str(e.value) and "8" in str(e.value) and "3" in str(e.value)
     assert cache.length == 6 and torch.equal(cache.k, k) and torch.equal(cache.v, v)
 
 
+@torch.no_grad()
 def test_cache_of_another_shape_is_refused():
     attn = module(8, 2)
     with pytest.raises(ValueError, match="cache"):
@@ -155,3 +156,244 @@ def test_the_copying_counter_example_is_seen_by_the_profiler():
     repeated = h * S * dh * 4
     assert largest_allocation(lambda: mha.attend_by_copying(q, k, v)) >= repeated
     assert largest_allocation(lambda: mha.attend(q, k, v)) < repeated / 64
+
+
+# ----------------------------------------------------------------------------- accuracy at any scale
+def float64_twin(attn):
+    twin = mha.CausalMHA(attn.d_model, attn.n_heads, attn.n_kv_heads).eval()
+    twin.load_state_dict(attn.state_dict())
+    return twin.double()
+
+
+@pytest.mark.parametrize("kv", [8, 2, 1])
+@pytest.mark.parametrize("scale", [1e-3, 1.0, 10.0, 100.0])
+def test_cached_decoding_is_as_accurate_as_the_full_forward_at_any_scale(kv, scale):
+    """Relative to the output's size, cached and full agree within 1e-5 for inputs up to 10x unit scale;
+    at any scale the cached result is no farther from a float64 reference than the full forward."""
+    attn = module(8, kv, seed=3)
+    x = scale * torch.randn(2, 12, 128)
+    cache = attn.new_cache(2, 12)
+    with torch.no_grad():
+        full = attn(x)
+        cached = torch.cat([attn(x[:, :7], cache=cache)] + [attn(x[:, t:t + 1], cache=cache) for t in range(7, 12)], 1)
+        exact = float64_twin(attn)(x.double())
+    if scale <= 10:
+        assert mha.relative_diff(cached, full) <= 1e-5
+    full_err, cached_err = mha.relative_diff(full.double(), exact), mha.relative_diff(cached.double(), exact)
+    assert cached_err <= 2 * full_err + 1e-6, f"scale {scale}: cached {cached_err:.2e}, full {full_err:.2e}"
+
+
+def test_relative_diff_known_answer():
+    assert mha.relative_diff(torch.tensor([1.0, 21.0], dtype=torch.float64),
+                             torch.tensor([2.0, 20.0], dtype=torch.float64)) == 0.05
+
+
+# ----------------------------------------------------------------------------- caches a user can get wrong
+def filled(attn, n=4, B=1):
+    cache = attn.new_cache(B, 10)
+    with torch.no_grad():
+        attn(torch.randn(B, n, 128), cache=cache)
+    return cache
+
+
+def refused_without_a_write(attn, cache, error, words, x=None, grad=False):
+    """The call raises `error` with every word, in one line, and leaves the cache's tensors untouched."""
+    k, v, length = cache.k.clone(), cache.v.clone(), cache.length
+    x = torch.randn(cache.k.shape[0], 1, 128) if x is None else x
+    with torch.set_grad_enabled(grad), pytest.raises(error) as e:
+        attn(x, cache=cache)
+    for w in words:
+        assert w in str(e.value), str(e.value)
+    assert "\n" not in str(e.value)
+    assert torch.equal(cache.k, k) and torch.equal(cache.v, v) and cache.length == length
+    return str(e.value)
+
+
+def test_a_cached_call_under_autograd_is_refused():
+    attn = module(8, 2)
+    cache = filled(attn)
+    msg = refused_without_a_write(attn, cache, RuntimeError, ["torch.no_grad()", "torch.inference_mode()"],
+                                  grad=True)
+    assert "in place" in msg and not cache.k.requires_grad
+    x = torch.randn(1, 1, 128, requires_grad=True)                  # frozen weights, but x asks for grads
+    attn.requires_grad_(False)
+    refused_without_a_write(attn, cache, RuntimeError, ["torch.no_grad()"], x=x, grad=True)
+    with torch.inference_mode():
+        assert attn(torch.randn(1, 1, 128), cache=cache).shape == (1, 1, 128)
+
+
+def test_training_without_a_cache_still_works():
+    attn = module(8, 2).train()
+    attn(torch.randn(2, 5, 128)).square().mean().backward()
+    assert attn.in_proj.weight.grad.abs().max() > 0
+
+
+@pytest.mark.parametrize("length, words", [(5.0, ["cache.length", "whole number", "5.0"]),
+                                           (None, ["cache.length", "None"]),
+                                           ("5", ["cache.length", "'5'"]),
+                                           (True, ["cache.length", "True"])])
+def test_a_cache_length_that_is_not_a_whole_number_is_refused(length, words):
+    attn = module(8, 2)
+    cache = filled(attn)
+    k, v = cache.k.clone(), cache.v.clone()
+    cache.length = length
+    with torch.no_grad(), pytest.raises(TypeError) as e:
+        attn(torch.randn(1, 1, 128), cache=cache)
+    assert all(w in str(e.value) for w in words), str(e.value)
+    assert torch.equal(cache.k, k) and torch.equal(cache.v, v)
+
+
+def test_a_numpy_length_is_a_whole_number():
+    np = pytest.importorskip("numpy")
+    attn = module(8, 2)
+    cache = filled(attn)
+    cache.length = np.int64(4)
+    with torch.no_grad():
+        attn(torch.randn(1, 1, 128), cache=cache)
+    assert cache.length == 5 and type(cache.length) is int
+
+
+def test_a_hand_built_cache_with_a_wrong_v_is_refused_before_k_is_written():
+    attn = module(8, 2)
+    k = torch.zeros(1, 2, 10, 16)
+    refused_without_a_write(attn, mha.KVCache(k, torch.zeros(1, 2, 10, 16, dtype=torch.float64)), ValueError,
+                            ["V", "float64", "float32"])
+    refused_without_a_write(attn, mha.KVCache(k, torch.zeros(1, 2, 10, 8)), ValueError, ["V", "(1, 2, 10, 8)"])
+    refused_without_a_write(attn, mha.KVCache(k, torch.zeros(1, 2, 12, 16)), ValueError, ["one shape"])
+
+
+@pytest.mark.parametrize("make", [lambda buf: (buf, buf), lambda buf: (buf, buf[:, :, :]),
+                                  lambda buf: (buf[:, :, :6], buf[:, :, 4:])])
+def test_k_and_v_sharing_memory_are_refused(make):
+    attn = module(8, 2)
+    k, v = make(torch.zeros(1, 2, 10, 16))
+    refused_without_a_write(attn, mha.KVCache(k, v), ValueError, ["share memory"])
+
+
+def test_k_and_v_in_one_buffer_side_by_side_are_fine():
+    """One allocation holding K and V apart, as a server might preallocate them, is not sharing."""
+    attn = module(8, 2)
+    buf = torch.zeros(2, 1, 2, 10, 16)
+    cache = mha.KVCache(buf[0], buf[1])
+    x = torch.randn(1, 3, 128)
+    with torch.no_grad():
+        assert torch.equal(attn(x, cache=cache), attn(x))
+    assert not mha.overlap(buf[0], buf[1]) and mha.overlap(buf[0], buf[0, :, :1])
+
+
+@pytest.mark.parametrize("batch, max_len, error", [(1.5, 10, TypeError), (True, 10, TypeError), ("1", 10, TypeError),
+                                                   (1, 10.0, TypeError), (0, 10, ValueError), (1, -1, ValueError)])
+def test_new_cache_takes_whole_numbers_only(batch, max_len, error):
+    with pytest.raises(error) as e:
+        module(8, 2).new_cache(batch, max_len)
+    assert repr(batch) in str(e.value) or repr(max_len) in str(e.value) or "max_len" in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_numpy_integers_are_whole_numbers():
+    np = pytest.importorskip("numpy")
+    attn = mha.CausalMHA(np.int64(64), np.int32(8), np.int16(2))
+    assert (attn.d_model, attn.n_heads, attn.n_kv_heads) == (64, 8, 2) and type(attn.d_model) is int
+    assert attn.new_cache(np.int64(2), np.int64(5)).k.shape == (2, 2, 5, 8)
+
+
+# ----------------------------------------------------------------------------- the roofline
+def test_decode_flops_and_bytes_known_answers():
+    assert mha.decode_flops(32, 128, 4096) == 4 * 32 * 4096 * 128 == 67108864
+    assert mha.decode_bytes(32, 128, 4096) == 2 * 32 * 4096 * 128 * 4 == 134217728
+    assert mha.decode_bytes(1, 128, 4096, bytes_per_elem=2) == 2 * 4096 * 128 * 2
+    for kv in (32, 8, 4, 1):            # g / 2 FLOPs per byte in fp32, g in 16 bits
+        assert mha.decode_flops(32, 128, 1000) / mha.decode_bytes(kv, 128, 1000) == 32 / kv / 2
+        assert mha.decode_flops(32, 128, 1000) / mha.decode_bytes(kv, 128, 1000, bytes_per_elem=2) == 32 / kv
+
+
+def test_roofline_picks_the_slower_ceiling_on_either_side_of_the_ridge():
+    ceilings = mha.Ceilings(bandwidth=40e9, flops=160e9)
+    assert ceilings.ridge == 4.0
+    assert mha.roofline(2e9, 1e9, ceilings) == (1e9 / 40e9, "memory")       # 2 FLOPs a byte: below the ridge
+    assert mha.roofline(8e9, 1e9, ceilings) == (8e9 / 160e9, "compute")     # 8 FLOPs a byte: above it
+    floor, bound = mha.roofline(4e9, 1e9, ceilings)                          # at the ridge both are equal
+    assert floor == 0.025 and bound == "memory"
+    assert mha.decode_roofline(32, 4096, ceilings)[1] == "memory"             # MHA: 0.5 FLOPs a byte
+    assert mha.decode_roofline(1, 4096, ceilings)[1] == "compute"             # MQA: 16
+
+
+def fake_times(ceilings, contexts, slower=1.5):
+    """Decode times `slower` x above their roofline floors, as a quiet machine would measure them."""
+    return {kv: [slower * mha.decode_roofline(kv, S, ceilings)[0] for S in contexts] for kv in (32, 8, 4, 1)}
+
+
+def test_timing_contradictions_on_a_quiet_and_a_busy_machine():
+    ceilings, contexts = mha.Ceilings(40e9, 160e9), (512, 1024, 8192)
+    times = fake_times(ceilings, contexts)
+    assert mha.timing_contradictions(times, ceilings, contexts) == []
+    times[32][2] *= 0.5                                   # MHA at 8192 tokens: 25% under its floor
+    times[1][1] *= 20                                     # MQA at 1024 tokens: slower than GQA-4
+    assert mha.timing_contradictions(times, ceilings, contexts) == [
+        "MHA at 8192 tokens is 25% below its floor", "MQA is slower than GQA-4 at 1024 tokens"]
+    times = fake_times(ceilings, contexts)
+    times[1][0] *= 20                                     # at 512 tokens the order is not checked
+    assert mha.timing_contradictions(times, ceilings, contexts) == []
+    at_floor = fake_times(ceilings, contexts, slower=1.0)
+    assert mha.timing_contradictions(at_floor, ceilings, contexts) == []
+    busy_read = mha.Ceilings(20e9, 160e9)                # the read was timed while something else ran
+    assert "MHA at 512 tokens is 50% below its floor" in mha.timing_contradictions(at_floor, busy_read, contexts)
+
+
+def test_printed_floors_are_the_roofline(capsys):
+    """Every floor in the printed table is max(bytes / read, FLOPs / matmul), never more."""
+    ceilings = mha.Ceilings(40e9, 120e9)                  # ridge 3: GQA-4 (4 FLOPs a byte) above it
+    times = fake_times(ceilings, mha.DECODE_CONTEXTS, slower=2.0)
+    mha.print_decode_table(times, ceilings, [])
+    out = capsys.readouterr().out
+    rows = [line.split() for line in out.splitlines()
+            if line.split()[:1] in (["MHA"], ["GQA-8"], ["GQA-4"], ["MQA"]) and len(line.split()) == 8]
+    assert [r[0] for r in rows] == ["MHA", "GQA-8", "GQA-4", "MQA"]
+    for kind, per_byte, bound, memory_ms, compute_ms, floor_ms, measured_ms, reach in rows:
+        assert float(floor_ms) == max(float(memory_ms), float(compute_ms))
+        assert bound == ("memory" if float(memory_ms) >= float(compute_ms) else "compute") and reach == "50%"
+    assert [r[2] for r in rows] == ["memory", "memory", "compute", "compute"]
+    assert "Memory-bound here: MHA, GQA-8; compute-bound: GQA-4, MQA." in out and "NOT TRUSTWORTHY" not in out
+    assert max(len(line) for line in out.splitlines()) <= 100
+
+
+def test_a_busy_machine_is_said_and_drawn(capsys):
+    ceilings = mha.Ceilings(40e9, 160e9)
+    times = fake_times(ceilings, mha.DECODE_CONTEXTS)
+    times[1] = [t * 30 for t in times[1]]
+    problems = mha.timing_contradictions(times, ceilings)
+    mha.print_decode_table(times, ceilings, problems)
+    out = capsys.readouterr().out
+    assert "NOT TRUSTWORTHY, the machine was busy while timing: MQA is slower than GQA-4" in out
+    assert "Memory-bound here" not in out
+    fig = mha.plot_decode_time(times, ceilings, problems)
+    assert any("NOT TRUSTWORTHY" in t.get_text() for t in fig.texts)
+
+
+def test_the_decode_figure_builds_from_a_fake_measurement():
+    """Two panels: time against context with the roofline floors, and the roofline with the four dots."""
+    ceilings = mha.Ceilings(40e9, 160e9)
+    times = fake_times(ceilings, mha.DECODE_CONTEXTS)
+    fig = mha.plot_decode_time(times, ceilings, [])
+    left, right = fig.axes
+    assert len(left.lines) == 8 and not any("NOT TRUSTWORTHY" in t.get_text() for t in fig.texts)
+    dots = [line for line in right.lines if line.get_marker() == "o"]
+    assert [d.get_xdata()[0] for d in dots] == [0.5, 2.0, 4.0, 16.0]
+    for d, kv in zip(dots, (32, 8, 4, 1)):       # each dot at its measured GFLOP/s: floor's rate / 1.5
+        floor = mha.decode_roofline(kv, 8192, ceilings)[0]
+        assert d.get_ydata()[0] == pytest.approx(mha.decode_flops(32, 128, 8192) / (1.5 * floor) / 1e9)
+    assert "H100" in " ".join(right.get_legend_handles_labels()[1])
+    assert mha.png_bytes(fig)[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_measure_decode_on_tiny_contexts(monkeypatch):
+    """The measurement runs, returns one time per context and plausible ceilings, and reads 256 MiB."""
+    times, ceilings = mha.measure_decode(contexts=(16, 32), kv_heads=(32, 1), rounds=1)
+    assert list(times) == [32, 1] and all(len(row) == 2 and min(row) > 0 for row in times.values())
+    assert 1e8 < ceilings.bandwidth < 1e13 and 1e8 < ceilings.flops < 1e14
+
+
+@pytest.mark.parametrize("n, label", [(512, "512"), (1024, "1k"), (8192, "8k"), (1000, "1,000"), (2000, "2,000"),
+                                      (5000, "5,000"), (10000, "10,000"), (3072, "3k")])
+def test_tokens_label(n, label):
+    assert mha.tokens_label(n) == label
