@@ -12,14 +12,18 @@ What this file shows, top to bottom:
   3. The KV cache in bytes, for a Llama-7B-shaped model and for published models: during generation
      every past token's keys and values are kept, and that cache, not the weights, caps how many users a
      GPU can serve. Sharing K/V heads shrinks it by n_heads / n_kv_heads.
-  4. Decoding with a real cache, token by token, and timed: a decode step reads the whole cache once, so
-     its time grows with the context, and GQA/MQA are faster only if K/V are never copied back to n_heads.
-  5. Figures: per-head attention maps, cache sizes, which query heads share which K/V head, decode time.
+  4. Decoding with a real cache, token by token: a decode step reads the whole cache once, and GQA/MQA
+     are faster only if K/V are never copied back to n_heads.
+  5. Decode time against the roofline: a step does g / 2 FLOPs per byte it reads (fp32), so on this CPU
+     MHA waits on memory and MQA on arithmetic; both ceilings are measured in the same run, and the
+     timings check themselves for the signs of a busy machine.
+  6. Figures: per-head attention maps, cache sizes, which query heads share which K/V head, decode time.
 
 What it deliberately does not do: train anything (the weights are random, so the attention maps show
-the causal triangle, not learned roles), dropout, padding masks, cross-attention, positional encodings.
+the causal triangle, not learned roles; quality.py trains small models to measure what GQA costs),
+dropout, padding masks, cross-attention, positional encodings.
 
-Run it:   python mha.py                     (a few seconds on a laptop CPU; writes figures/)
+Run it:   python mha.py                     (a few seconds on a 2-core CPU; writes figures/)
           python mha.py --n-kv-heads 2      (or edit N_KV_HEADS below, and rerun)
 
 Papers: Vaswani et al. 2017, "Attention Is All You Need", arXiv:1706.03762.
@@ -180,15 +184,6 @@ def attend_by_copying(q, k, v):
     return F.scaled_dot_product_attention(q, k, v)         # (B, h, 1, dh): a decode step, no mask
 
 
-def overlap(a, b):
-    """Whether tensors a and b could share any byte of memory (their address ranges meet)."""
-    def span(t):
-        last = sum((n - 1) * stride for n, stride in zip(t.shape, t.stride())) if t.numel() else -1
-        return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
-    (a0, a1), (b0, b1) = span(a), span(b)
-    return a0 < b1 and b0 < a1
-
-
 @dataclass
 class KVCache:
     """Keys and values of every token seen so far, preallocated to max_len tokens.
@@ -243,12 +238,12 @@ class CausalMHA(nn.Module):
         # projects that way: through the transposed view nn.Linear multiplies, then adds the bias; on a
         # contiguous input it folds the bias into the multiply (addmm), a different rounding. Writing
         # self.in_proj(x).transpose(0, 1) puts the same numbers in the same places, and yet the MHA
-        # check of the default run then reads 2.38e-07 instead of 0: this transpose is the last bit.
+        # check then reads a few units in the last place (2.38e-07 with AVX2): this transpose is the last bit.
         qkv = self.in_proj(x.transpose(0, 1))              # (T, B, (h + 2kv) dh)
         q, k, v = qkv.split([h * dh, kv * dh, kv * dh], dim=-1)
-        q = q.view(T, B, h, dh).permute(1, 2, 0, 3)        # (B, h, T, dh)
-        k = k.view(T, B, kv, dh).permute(1, 2, 0, 3)       # (B, kv, T, dh)
-        v = v.view(T, B, kv, dh).permute(1, 2, 0, 3)       # (B, kv, T, dh)
+        q = q.view(T, B, h, dh).permute(1, 2, 0, 3)        # (T, B, h, dh) -> (B, h, T, dh)
+        k = k.view(T, B, kv, dh).permute(1, 2, 0, 3)       # (T, B, kv, dh) -> (B, kv, T, dh)
+        v = v.view(T, B, kv, dh).permute(1, 2, 0, 3)       # (T, B, kv, dh) -> (B, kv, T, dh)
         if cache is not None:
             k, v = cache.append(k, v)                      # (B, kv, S, dh), S = cached + T
         o, p = attend(q, k, v, need_weights)               # (B, h, T, dh)
@@ -277,16 +272,15 @@ class CausalMHA(nn.Module):
         if torch.is_grad_enabled() and (x.requires_grad or self.in_proj.weight.requires_grad):
             raise RuntimeError("decoding with a cache writes it in place, which autograd cannot follow: call "
                                "the module under torch.no_grad() or torch.inference_mode()")
-        dtype = self.in_proj.weight.dtype
-        for name in ("k", "v"):
-            t = getattr(cache, name)
-            want = (B, self.n_kv_heads, t.shape[2] if isinstance(t, torch.Tensor) and t.dim() == 4 else "max_len",
-                    self.d_head)
-            if not isinstance(t, torch.Tensor) or tuple(t.shape) != want or t.dtype != dtype:
-                got = f"{tuple(t.shape)} in {t.dtype}" if isinstance(t, torch.Tensor) else type(t).__name__
-                raise ValueError(f"the cache holds {name.upper()} of {got}, this call needs {want} in {dtype}")
-        if cache.k.shape != cache.v.shape:
-            raise ValueError(f"the cache's K {tuple(cache.k.shape)} and V {tuple(cache.v.shape)} must have one shape")
+        dtype, tensors = self.in_proj.weight.dtype, {"K": cache.k, "V": cache.v}
+        for name, t in tensors.items():
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"the cache's {name} must be a tensor, got {type(t).__name__}")
+        want = (B, self.n_kv_heads, cache.k.shape[2] if cache.k.dim() == 4 else "max_len", self.d_head)
+        for name, t in tensors.items():
+            if tuple(t.shape) != want or t.dtype != dtype:
+                raise ValueError(f"the cache holds {name} of shape {tuple(t.shape)} in {t.dtype}, "
+                                 f"this call needs {want} in {dtype}")
         if overlap(cache.k, cache.v):
             raise ValueError("the cache's K and V share memory, so writing V would overwrite K: give each "
                              "its own tensor")
@@ -988,8 +982,10 @@ def check_knobs():
     if LLAMA_HEADS not in LLAMA_KV_HEADS:
         raise ValueError(f"LLAMA_KV_HEADS={LLAMA_KV_HEADS} must include LLAMA_HEADS={LLAMA_HEADS}, the MHA baseline")
     counts = {"SEQ_LEN": SEQ_LEN, "BATCH": BATCH, "LLAMA_LAYERS": LLAMA_LAYERS, "CACHE_TOKENS": CACHE_TOKENS,
-              "CACHE_BYTES_PER_ELEM": CACHE_BYTES_PER_ELEM, "DECODE_ROUNDS": DECODE_ROUNDS, "GPU_CACHE_GB": GPU_CACHE_GB,
+              "CACHE_BYTES_PER_ELEM": CACHE_BYTES_PER_ELEM, "DECODE_ROUNDS": DECODE_ROUNDS,
               **{f"DECODE_CONTEXTS[{i}]": S for i, S in enumerate(DECODE_CONTEXTS)}}
+    if isinstance(GPU_CACHE_GB, bool) or not isinstance(GPU_CACHE_GB, (int, float)) or not GPU_CACHE_GB > 0:
+        raise ValueError(f"GPU_CACHE_GB={GPU_CACHE_GB!r} must be a positive number of GB")
     if not DECODE_CONTEXTS:
         raise ValueError("DECODE_CONTEXTS must hold at least one context length")
     for name, value in counts.items():
@@ -1052,6 +1048,15 @@ def write_all(files):
 def save_png(fig, path):
     """Write one figure as a PNG, all or nothing (see write_all)."""
     write_all({path: png_bytes(fig)})
+
+
+def overlap(a, b):
+    """Whether tensors a and b could share any byte of memory (their address ranges meet)."""
+    def span(t):
+        last = sum((n - 1) * stride for n, stride in zip(t.shape, t.stride())) if t.numel() else -1
+        return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
+    (a0, a1), (b0, b1) = span(a), span(b)
+    return a0 < b1 and b0 < a1
 
 
 def shown_path(folder):

@@ -259,7 +259,11 @@ def test_a_hand_built_cache_with_a_wrong_v_is_refused_before_k_is_written():
     refused_without_a_write(attn, mha.KVCache(k, torch.zeros(1, 2, 10, 16, dtype=torch.float64)), ValueError,
                             ["V", "float64", "float32"])
     refused_without_a_write(attn, mha.KVCache(k, torch.zeros(1, 2, 10, 8)), ValueError, ["V", "(1, 2, 10, 8)"])
-    refused_without_a_write(attn, mha.KVCache(k, torch.zeros(1, 2, 12, 16)), ValueError, ["one shape"])
+    refused_without_a_write(attn, mha.KVCache(k, torch.zeros(1, 2, 12, 16)), ValueError, ["V", "(1, 2, 12, 16)",
+                                                                                     "(1, 2, 10, 16)"])
+    with torch.no_grad(), pytest.raises(TypeError, match="the cache's V must be a tensor, got list"):
+        attn(torch.randn(1, 1, 128), cache=mha.KVCache(k, [0.0]))
+    assert k.abs().max() == 0
 
 
 @pytest.mark.parametrize("make", [lambda buf: (buf, buf), lambda buf: (buf, buf[:, :, :]),

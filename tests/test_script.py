@@ -355,3 +355,75 @@ def test_import_has_no_side_effects(tmp_path):
     assert os.listdir(tmp_path) == [] and sorted(os.listdir(ROOT)) == before
     if stamps:
         assert {n: os.stat(os.path.join(figures, n)).st_mtime_ns for n in os.listdir(figures)} == stamps
+
+
+# ----------------------------------------------------------------------------- the README's "Things to try"
+def things_to_try():
+    with open(os.path.join(ROOT, "README.md")) as f:
+        return f.read().split("## Things to try")[1].split("\n## ")[0]
+
+
+def edited_copy(old, new, tmp_path):
+    """mha.py with every `old` replaced by `new`, imported from a copy (old must be there)."""
+    import importlib.util
+    with open(SCRIPT) as f:
+        src = f.read()
+    assert old in src, f"the README's edit no longer applies: {old!r} is not in mha.py"
+    assert f"`{new}`" in things_to_try(), f"the README no longer gives the edit {new!r}"
+    path = tmp_path / "mha_edited.py"
+    path.write_text(src.replace(old, new))
+    spec = importlib.util.spec_from_file_location("mha_edited", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["mha_edited"] = module          # dataclasses look their module up there
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        del sys.modules["mha_edited"]
+    return module
+
+
+def line_with(out, start):
+    return next(line for line in out.splitlines() if line.lstrip().startswith(start))
+
+
+def test_try_two_kv_heads(capsys, tmp_path):
+    m = edited_copy("N_KV_HEADS = 4 ", "N_KV_HEADS = 2", tmp_path)
+    kv = m.parse_args([]).n_kv_heads
+    assert kv == 2 and m.run_checks(kv, 0)
+    m.print_cache_table(kv)
+    out = capsys.readouterr().out
+    assert "GQA-2 max |ours - nn.MHA with K/V heads repeated|" in out
+    assert line_with(out, "GQA-8").endswith("<- g = 4 query heads per K/V head, as in your demo")
+
+
+def test_try_swapping_two_heads(capsys, tmp_path):
+    m = edited_copy("copy = CausalMHA.from_torch(ref)", "copy = swap_query_heads(CausalMHA.from_torch(ref), 2, 3)", tmp_path)
+    assert not m.run_checks(4, 0)
+    out = capsys.readouterr().out
+    assert line_with(out, "MHA   max |ours").endswith("FAIL  (must be exactly 0)")
+    assert "GQA-4 max |ours - nn.MHA with K/V heads repeated|    = 0.00e+00  OK" in out
+
+
+def test_try_repeat_instead_of_repeat_interleave(capsys, tmp_path):
+    m = edited_copy(".repeat_interleave(g, dim=0)", ".repeat(g, 1, 1)", tmp_path)
+    assert not m.run_checks(4, 0)
+    out = capsys.readouterr().out
+    assert line_with(out, "MHA   max |ours").endswith("OK  (must be exactly 0)")
+    assert line_with(out, "GQA-4 max |ours - nn.MHA").endswith("FAIL  (tolerance 2e-06)")
+
+
+def test_try_projecting_batch_major(capsys, tmp_path):
+    m = edited_copy("self.in_proj(x.transpose(0, 1))", "self.in_proj(x).transpose(0, 1)", tmp_path)
+    assert not m.run_checks(4, 0)
+    diff = float(line_with(capsys.readouterr().out, "MHA   max |ours").split("= ")[1].split()[0])
+    assert 0 < diff < 1e-6                     # a few units in the last place: 2.38e-07 with AVX2 kernels
+
+
+def test_try_a_longer_context(capsys, tmp_path):
+    m = edited_copy("CACHE_TOKENS = 4096", "CACHE_TOKENS = 8192", tmp_path)
+    m.print_cache_table(4)
+    m.print_published_table()
+    out = capsys.readouterr().out
+    assert "MHA's 4,294,967,296 bytes are 4.29 GB but 4.00 GiB" in out
+    assert line_with(out, "MHA ").split()[2:4] == ["4.29", "GB"]
+    assert line_with(out, "Llama-2-7B").split()[-1] == "9"          # 18 requests at 4096 tokens
