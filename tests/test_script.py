@@ -427,3 +427,31 @@ def test_try_a_longer_context(capsys, tmp_path):
     assert "MHA's 4,294,967,296 bytes are 4.29 GB but 4.00 GiB" in out
     assert line_with(out, "MHA ").split()[2:4] == ["4.29", "GB"]
     assert line_with(out, "Llama-2-7B").split()[-1] == "9"          # 18 requests at 4096 tokens
+
+
+def test_render_pngs_gives_the_bytes_of_drawing_each_in_turn():
+    from matplotlib.figure import Figure
+
+    def draw(n):
+        fig = Figure(figsize=(2, 2))
+        fig.subplots().plot(range(n))
+        return fig
+
+    draws = {f"f{n}.png": (lambda n=n: draw(n)) for n in (2, 3, 4, 5)}
+    assert mha.render_pngs(draws) == {name: mha.png_bytes(d()) for name, d in draws.items()}
+
+
+def test_render_pngs_survives_a_failing_copy():
+    """If the forked copy cannot render its half, the parent renders it itself."""
+    from matplotlib.figure import Figure
+    parent = os.getpid()
+
+    def only_here():
+        if os.getpid() != parent:
+            raise RuntimeError("the forked copy fails")
+        fig = Figure(figsize=(2, 2))
+        fig.subplots().plot([1, 3, 2])
+        return fig
+
+    pngs = mha.render_pngs({"a.png": only_here, "b.png": only_here})
+    assert list(pngs) == ["a.png", "b.png"] and pngs["a.png"] == pngs["b.png"] == mha.png_bytes(only_here())
