@@ -850,7 +850,7 @@ def plot_head_layout(n_kv_heads):
     height = 1.5 * len(options) + 0.6
     fig = new_figure(max(6.0, 0.75 * N_HEADS + 2.5), height)
     axes = fig.subplots(len(options), 1, squeeze=False)[:, 0]
-    fig.subplots_adjust(left=0.02, right=0.98, bottom=0.02, top=1 - 0.55 / height, hspace=0.35)
+    fig.subplots_adjust(left=0.02, right=0.98, bottom=0.02, top=1 - 0.75 / height, hspace=0.35)
     cmap = colormaps["tab10"]
     for ax, kv in zip(axes, options):
         g = N_HEADS // kv
@@ -895,6 +895,9 @@ def plot_decode_time(times, ceilings, problems, contexts=DECODE_CONTEXTS):
     right.plot(intensity, [min(ceilings.flops, ceilings.bandwidth * x) / 1e9 for x in intensity], color="black",
                label=f"this CPU: {ceilings.bandwidth / 1e9:.0f} GB/s, {ceilings.flops / 1e9:.0f} GFLOP/s")
     right.axvline(ceilings.ridge, color="black", ls=":", lw=1)
+    right.text(ceilings.ridge * 1.1, ceilings.flops / 1e9 * 3, f"ridge {ceilings.ridge:.1f} FLOPs/byte", fontsize=8)
+    right.text(ceilings.ridge / 1.3, ceilings.flops / 1e9 * 1.4, "memory-bound", fontsize=8, color="gray", ha="right")
+    right.text(ceilings.ridge * 1.3, ceilings.flops / 1e9 * 1.4, "compute-bound", fontsize=8, color="gray")
     gpu_name, gpu_flops, gpu_bandwidth = GPU
     right.axvline(gpu_flops / gpu_bandwidth, color="gray", ls="--", lw=1,
                   label=f"{gpu_name} ridge: {gpu_flops / 1e12:.0f} TFLOP/s bf16 / {gpu_bandwidth / 1e12:.2f} TB/s"
