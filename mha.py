@@ -714,7 +714,7 @@ def print_decode_table(times, ceilings, problems, contexts=DECODE_CONTEXTS):
     for kv in kinds:
         n_bytes, n_flops = decode_bytes(kv, dh, s_max), decode_flops(h, dh, s_max)
         floor, bound = decode_roofline(kv, s_max, ceilings)
-        t = times[kv][-1] if s_max == contexts[-1] else times[kv][list(contexts).index(s_max)]
+        t = times[kv][list(contexts).index(s_max)]
         print(f"   {attention_kind(h, kv):<7}{n_flops / n_bytes:>10.1f}  {bound:<8}"
               f"{n_bytes / ceilings.bandwidth * 1e3:>11.3f}{n_flops / ceilings.flops * 1e3:>10.3f}"
               f"{floor * 1e3:>8.3f}{t * 1e3:>10.3f}{floor / t:>9.0%}")
