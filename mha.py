@@ -635,8 +635,9 @@ def measure_decode(contexts=DECODE_CONTEXTS, kv_heads=LLAMA_KV_HEADS, rounds=DEC
     a server preallocates them (their contents do not change the time). Each round times a read of the
     buffer's end, one matrix multiply, and then every step, longest context first: what a step reads
     has left the CPU's caches by the time it comes round again, as in a model whose other layers'
-    caches pass through in between. Each measurement keeps its best round, and since every round visits
-    all of them, a moment of load from elsewhere cannot land on one alone.
+    caches pass through in between. Each measurement keeps its best round (so the first, which warms
+    up, rarely counts), and since every round visits all of them, a moment of load from elsewhere cannot
+    land on one alone.
     """
     h, dh, s_max = LLAMA_HEADS, LLAMA_D_HEAD, max(contexts)
     sizes = [2 * kv * s_max * dh for kv in kv_heads]       # numbers in each configuration's K and V
@@ -653,8 +654,6 @@ def measure_decode(contexts=DECODE_CONTEXTS, kv_heads=LLAMA_KV_HEADS, rounds=DEC
     order = ["read", "matmul"] + [(kv, S) for S in sorted(contexts, reverse=True) for kv in kv_heads]
     best = dict.fromkeys(jobs, float("inf"))
     with torch.no_grad():
-        for key in order:                                  # warm-up
-            jobs[key]()
         for _ in range(rounds):
             for key in order:
                 t0 = time.perf_counter()
@@ -792,22 +791,21 @@ def plot_attention_maps(n_kv_heads, seed):
     cols = min(4, N_HEADS)
     rows = math.ceil(N_HEADS / cols)
     fig = new_figure(2.2 * cols + 1.2, 2.3 * rows + 0.7)
-    axes = fig.subplots(rows, cols, squeeze=False, sharex=True, sharey=True)
     fig.subplots_adjust(left=0.07, right=0.88, bottom=0.1, top=1 - 0.7 / (2.3 * rows + 0.7), wspace=0.08,
                         hspace=0.3)
-    ticks = list(range(0, SEQ_LEN, max(1, SEQ_LEN // 4)))
-    for i, ax in enumerate(axes.flat):
-        ax.set_visible(i < N_HEADS)
-        if i < N_HEADS:
-            im = ax.imshow(p[0, i].numpy(), cmap="viridis", vmin=0.0, vmax=1.0)
-            ax.set_title(f"query head {i} (K/V head {i // g})", fontsize=9)
-            ax.set_xticks(ticks)
-            ax.set_yticks(ticks)
-            ax.tick_params(labelsize=7)
-    for ax in axes[-1]:
-        ax.set_xlabel("key position", fontsize=8)
-    for ax in axes[:, 0]:
-        ax.set_ylabel("query position", fontsize=8)
+    grid, ticks = fig.add_gridspec(rows, cols), list(range(0, SEQ_LEN, max(1, SEQ_LEN // 4)))
+    for i in range(N_HEADS):
+        row, col = divmod(i, cols)
+        ax = fig.add_subplot(grid[row, col])
+        im = ax.imshow(p[0, i].numpy(), cmap="viridis", vmin=0.0, vmax=1.0)
+        ax.set_title(f"query head {i} (K/V head {i // g})", fontsize=9)
+        ax.set_xticks(ticks if row == rows - 1 else [])    # positions on the outer edges only
+        ax.set_yticks(ticks if col == 0 else [])
+        ax.tick_params(labelsize=7)
+        if row == rows - 1:
+            ax.set_xlabel("key position", fontsize=8)
+        if col == 0:
+            ax.set_ylabel("query position", fontsize=8)
     fig.colorbar(im, cax=fig.add_axes([0.9, 0.15, 0.015, 0.65]), label="attention probability")
     fig.suptitle(f"Per-head causal attention, {attention_kind(N_HEADS, n_kv_heads)}: {N_HEADS} query heads share "
                  f"{n_kv_heads} K/V heads, d={D_MODEL}, T={SEQ_LEN}\nrandom untrained weights: each row sums "
