@@ -889,7 +889,7 @@ def plot_decode_time(times, ceilings, problems, contexts=DECODE_CONTEXTS):
     left.set_title("measured, and the least time the two ceilings allow", fontsize=10)
     left.legend(fontsize=7, ncol=2)
 
-    intensity = [2 ** e for e in range(-3, 11)]            # FLOPs per byte, 1/8 .. 1024
+    intensity = sorted([2 ** e for e in range(-3, 11)] + [ceilings.ridge])   # FLOPs per byte, 1/8 .. 1024
     right.plot(intensity, [min(ceilings.flops, ceilings.bandwidth * x) / 1e9 for x in intensity], color="black",
                label=f"this CPU: {ceilings.bandwidth / 1e9:.0f} GB/s, {ceilings.flops / 1e9:.0f} GFLOP/s")
     right.axvline(ceilings.ridge, color="black", ls=":", lw=1)
