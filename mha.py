@@ -1081,11 +1081,6 @@ def render_pngs(draws):
     return {name: pngs[name] for name in names}
 
 
-def save_png(fig, path):
-    """Write one figure as a PNG, all or nothing (see write_all)."""
-    write_all({path: png_bytes(fig)})
-
-
 def overlap(a, b):
     """Whether tensors a and b could share any byte of memory (their address ranges meet)."""
     def span(t):
