@@ -30,6 +30,8 @@ Papers: Vaswani et al. 2017, "Attention Is All You Need", arXiv:1706.03762.
         Shazeer 2019, "Fast Transformer Decoding: One Write-Head Is All You Need", arXiv:1911.02150.
         Ainslie et al. 2023, "GQA: Training Generalized Multi-Query Transformer Models from Multi-Head
         Checkpoints", arXiv:2305.13245.
+        Williams, Waterman and Patterson 2009, "Roofline: An Insightful Visual Performance Model for
+        Multicore Architectures", Communications of the ACM.
 
 Shapes, one alphabet throughout:
   B batch, T tokens in this call, d model width, h query heads, kv key/value heads, g = h / kv query heads
@@ -303,6 +305,8 @@ class CausalMHA(nn.Module):
     @classmethod
     def from_torch(cls, ref):
         """A CausalMHA (MHA) with the weights of an nn.MultiheadAttention(d, h, batch_first=True)."""
+        if not isinstance(ref, nn.MultiheadAttention):
+            raise TypeError(f"from_torch copies an nn.MultiheadAttention, got {type(ref).__name__}")
         same_dims = ref.kdim == ref.vdim == ref.embed_dim
         if not (ref.batch_first and same_dims and ref.bias_k is None and not ref.add_zero_attn):
             raise ValueError("from_torch copies only nn.MultiheadAttention(d, h, batch_first=True) "
@@ -427,6 +431,8 @@ def swap_query_heads(attn, i, j):
     queries with head j's keys: the kind of mistake a wrong reshape makes.
     """
     dh = attn.d_head
+    if not (0 <= i < attn.n_heads and 0 <= j < attn.n_heads):
+        raise ValueError(f"query heads {i} and {j} must both lie in 0 .. {attn.n_heads - 1}")
     with torch.no_grad():
         for t in (attn.in_proj.weight, attn.in_proj.bias):
             if t is not None:
@@ -687,14 +693,15 @@ def timing_contradictions(times, ceilings, contexts=DECODE_CONTEXTS, slack=0.1):
 
 
 def machine_name():
-    """The CPU the timings ran on, e.g. 'AMD EPYC, 2 threads, avx2' (the model name Linux reports)."""
+    """The CPU the timings ran on, e.g. 'AMD EPYC, 2 threads, AVX2' (the model name Linux reports)."""
     name = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as f:
             name = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
     except (OSError, StopIteration):
         pass
-    return f"{name}, {torch.get_num_threads()} threads, {torch.backends.cpu.get_cpu_capability()}"
+    threads = torch.get_num_threads()
+    return f"{name}, {threads} thread{'s' if threads > 1 else ''}, {torch.backends.cpu.get_cpu_capability()}"
 
 
 def print_decode_table(times, ceilings, problems, contexts=DECODE_CONTEXTS):
@@ -932,19 +939,16 @@ def main(argv=None):
     print_cache_table(kv)
     print_published_table()
     ok &= check_cache(kv, args.seed)
-    times, ceilings = measure_decode(DECODE_CONTEXTS, LLAMA_KV_HEADS, DECODE_ROUNDS)
-    problems = timing_contradictions(times, ceilings, DECODE_CONTEXTS)
-    print_decode_table(times, ceilings, problems, DECODE_CONTEXTS)
+    contexts = tuple(sorted(set(DECODE_CONTEXTS)))
+    times, ceilings = measure_decode(contexts, LLAMA_KV_HEADS, DECODE_ROUNDS)
+    problems = timing_contradictions(times, ceilings, contexts)
+    print_decode_table(times, ceilings, problems, contexts)
 
     pngs = render_pngs({"attention_maps.png": lambda: plot_attention_maps(kv, args.seed),
                         "kv_cache_size.png": plot_cache_sizes,
                         "head_layout.png": lambda: plot_head_layout(kv),
-                        "decode_time.png": lambda: plot_decode_time(times, ceilings, problems, DECODE_CONTEXTS)})
-    try:
-        write_all({os.path.join(args.out_dir, name): png for name, png in pngs.items()})
-    except OSError as e:
-        print(f"mha.py: error: cannot write the figures to '{args.out_dir}': {e.strerror or e}"
-              f"{f' ({e.filename})' if e.filename else ''}; nothing was written", file=sys.stderr)
+                        "decode_time.png": lambda: plot_decode_time(times, ceilings, problems, contexts)})
+    if not write_figures("mha.py", args.out_dir, pngs):
         return 1
     print(f"\nFigures written to {shown_path(args.out_dir)}: {', '.join(FIGURES)}")
     print(f"Now change N_KV_HEADS (or pass --n-kv-heads) and run again. All checks: {'OK' if ok else 'FAIL'}")
@@ -1002,6 +1006,8 @@ def check_knobs():
 
 def out_dir_problem(folder, names):
     """Make folder if needed; say in one sentence why names cannot be written there, or return None."""
+    if not folder:
+        return "--out-dir is empty: name a folder"
     parent = folder
     while parent and not os.path.exists(parent):
         parent = os.path.dirname(parent.rstrip(os.sep))
@@ -1030,23 +1036,38 @@ def temporary_name(path):
 
 
 def write_all(files):
-    """Write {path: bytes} all or nothing: every file to a temporary name beside it, then each renamed.
+    """Write {path: bytes}: every file to a temporary name beside it, then each renamed over its path.
 
-    A full disk or an interruption leaves no partial file and no temporary one; OSError says what failed.
+    A full disk or an interruption leaves no partial file and no temporary one. OSError names the path
+    that failed and says which paths, if any, were already replaced (only a rename can fail that late).
     """
-    done = {}
+    pending, done, path = {}, [], None
     try:
         for path, data in files.items():
-            done[path] = temporary_name(path)
-            with open(done[path], "xb") as f:
+            pending[path] = temporary_name(path)
+            with open(pending[path], "xb") as f:
                 f.write(data)
-        for path, tmp in done.items():
-            os.replace(tmp, path)
-    except BaseException:
-        for tmp in done.values():
+        for path in list(pending):
+            os.replace(pending[path], path)
+            del pending[path]
+            done.append(os.path.basename(path))
+    except OSError as e:
+        said = f"written before it: {', '.join(done)}" if done else "nothing was written"
+        raise OSError(e.errno, f"{e.strerror}; {said}", path) from e
+    finally:
+        for tmp in pending.values():
             if os.path.exists(tmp):
                 os.unlink(tmp)
-        raise
+
+
+def write_figures(prog, folder, pngs):
+    """write_all of {name: PNG bytes} into folder; on failure one line on stderr and False."""
+    try:
+        write_all({os.path.join(folder, name): png for name, png in pngs.items()})
+    except OSError as e:
+        print(f"{prog}: error: cannot write '{e.filename}': {e.strerror}", file=sys.stderr)
+        return False
+    return True
 
 
 def render_pngs(draws):
@@ -1096,7 +1117,7 @@ def shown_path(folder):
     return os.path.join(folder if shown.startswith("..") else shown, "")
 
 
-def run_as_script():
+def run_as_script(main):
     """main(), ending quietly if the reader of our output goes away (python mha.py | head), as Python's docs advise."""
     try:
         code = main()
@@ -1108,4 +1129,4 @@ def run_as_script():
 
 
 if __name__ == "__main__":
-    run_as_script()
+    run_as_script(main)

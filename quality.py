@@ -684,19 +684,12 @@ def main(argv=None):
     best = print_table_c(head_roles(trained, data), args.seeds[0])
     figures = [plot_quality(scratch, curves, args.steps, up),
                plot_trained_maps(trained, data, args.seeds[0], args.steps, best)]
-    mha.write_all({os.path.join(args.out_dir, name): mha.png_bytes(fig) for name, fig in zip(FIGURES, figures)})
+    if not mha.write_figures("quality.py", args.out_dir, {name: mha.png_bytes(fig) for name, fig in zip(FIGURES, figures)}):
+        return 1
     print(f"\nFigures written to {mha.shown_path(args.out_dir)}: {', '.join(FIGURES)}")
     print(progress.summary())
     return 0
 
 
 if __name__ == "__main__":
-    try:
-        code = main()
-        sys.stdout.flush()
-    except BrokenPipeError:
-        # The reader went away (python quality.py | head): as Python's docs advise for SIGPIPE, point stdout
-        # at devnull so that the interpreter's last flush is silent, and exit 1.
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        code = 1
-    sys.exit(code)
+    mha.run_as_script(main)     # ends quietly if the reader goes away (python quality.py | head)

@@ -173,7 +173,14 @@ def test_input_of_another_dtype_is_refused():
         mha.CausalMHA(64, 8, 2)(torch.randn(1, 3, 64, dtype=torch.float64))
 
 
+def test_swap_query_heads_refuses_heads_that_do_not_exist():
+    with pytest.raises(ValueError, match="query heads 0 and 9 must both lie in 0 .. 7"):
+        mha.swap_query_heads(mha.CausalMHA(64, 8), 0, 9)
+
+
 def test_from_torch_refuses_what_it_cannot_copy():
+    with pytest.raises(TypeError, match="from_torch copies an nn.MultiheadAttention, got Linear"):
+        mha.CausalMHA.from_torch(nn.Linear(4, 4))
     with pytest.raises(ValueError, match="dropout=0.0"):
         mha.CausalMHA.from_torch(nn.MultiheadAttention(64, 4, dropout=0.1, batch_first=True))
     with pytest.raises(ValueError, match="batch_first=True"):

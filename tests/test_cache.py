@@ -390,8 +390,8 @@ def test_the_decode_figure_builds_from_a_fake_measurement():
     assert mha.png_bytes(fig)[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_measure_decode_on_tiny_contexts(monkeypatch):
-    """The measurement runs, returns one time per context and plausible ceilings, and reads 256 MiB."""
+def test_measure_decode_on_tiny_contexts():
+    """The measurement runs and returns one time per context and plausible ceilings."""
     times, ceilings = mha.measure_decode(contexts=(16, 32), kv_heads=(32, 1), rounds=1)
     assert list(times) == [32, 1] and all(len(row) == 2 and min(row) > 0 for row in times.values())
     assert 1e8 < ceilings.bandwidth < 1e13 and 1e8 < ceilings.flops < 1e14

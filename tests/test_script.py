@@ -273,7 +273,8 @@ def test_a_full_disk_writes_nothing(tmp_path, monkeypatch, capsys):
 
     monkeypatch.setattr("builtins.open", filling_open)
     err = out_dir_error(tmp_path, capsys, early=False)
-    assert "No space left on device" in err and "nothing was written" in err
+    assert err == f"mha.py: error: cannot write '{tmp_path / 'kv_cache_size.png'}': No space left on device; " \
+                  "nothing was written\n"
     assert os.listdir(tmp_path) == []
 
 
@@ -307,6 +308,29 @@ def test_a_closed_pipe_ends_quietly(tmp_path, unbuffered):
     # output fits in the pipe's buffer before it closes, and the run completes.
     assert code == (1 if unbuffered else 0)
     assert sorted(os.listdir(tmp_path)) == ([] if unbuffered else sorted(FIGURES))
+
+
+def test_a_rename_failing_late_says_what_was_already_written(tmp_path, capsys):
+    """A folder that appears where the third figure goes, after the checks: the line names it and the two
+    figures already written, and no temporary file is left."""
+    pngs = {n: n.encode() for n in ["a.png", "b.png", "c.png"]}
+    (tmp_path / "c.png").mkdir()
+    assert not mha.write_figures("mha.py", str(tmp_path), pngs)
+    err = capsys.readouterr().err
+    assert err == f"mha.py: error: cannot write '{tmp_path / 'c.png'}': Is a directory; written before it: " \
+                  "a.png, b.png\n"
+    assert sorted(os.listdir(tmp_path)) == ["a.png", "b.png", "c.png"] and (tmp_path / "c.png").is_dir()
+
+
+def test_an_empty_out_dir_is_refused(capsys):
+    assert "--out-dir is empty: name a folder" in out_dir_error("", capsys)
+
+
+def test_unsorted_decode_contexts_are_timed_in_order(monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(mha, "DECODE_CONTEXTS", (512, 64, 256, 64))
+    code, out, _ = run_main(["--out-dir", str(tmp_path)], capsys)
+    rows = [line.split()[0] for line in out.split("vs MHA |")[-1].splitlines()[1:] if "|" in line]
+    assert code == 0 and rows == ["64", "256", "512"]
 
 
 def test_interrupted_write_leaves_no_file(tmp_path, monkeypatch):
@@ -401,7 +425,8 @@ def test_try_swapping_two_heads(capsys, tmp_path):
     m = edited_copy("copy = CausalMHA.from_torch(ref)", "copy = swap_query_heads(CausalMHA.from_torch(ref), 2, 3)", tmp_path)
     assert not m.run_checks(4, 0)
     out = capsys.readouterr().out
-    assert line_with(out, "MHA   max |ours").endswith("FAIL  (must be exactly 0)")
+    mha_lines = [line for line in out.splitlines() if line.lstrip().startswith("MHA ")]
+    assert len(mha_lines) == 3 and all(line.endswith("FAIL  (must be exactly 0)") for line in mha_lines)
     assert "GQA-4 max |ours - nn.MHA with K/V heads repeated|    = 0.00e+00  OK" in out
 
 
