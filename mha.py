@@ -944,6 +944,7 @@ def main(argv=None):
     problems = timing_contradictions(times, ceilings, contexts)
     print_decode_table(times, ceilings, problems, contexts)
 
+    # The last two are drawn by a forked copy of this process (see render_pngs): they must not run torch.
     pngs = render_pngs({"attention_maps.png": lambda: plot_attention_maps(kv, args.seed),
                         "kv_cache_size.png": plot_cache_sizes,
                         "head_layout.png": lambda: plot_head_layout(kv),
