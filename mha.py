@@ -335,14 +335,14 @@ class CausalMHA(nn.Module):
         dtype = self.in_proj.weight.dtype
         ref = nn.MultiheadAttention(d, h, bias=has_bias, batch_first=True, dtype=dtype)
 
-        w = self.in_proj.weight                            # ((h + 2kv) dh, d), plus the bias as a column:
-        if has_bias:                                       # each row's weights and bias travel together
-            w = torch.cat([w, self.in_proj.bias.unsqueeze(1)], dim=1)   # ((h + 2kv) dh, d + 1)
-        q, k, v = w.split([h * dh, kv * dh, kv * dh])
-        k = k.unflatten(0, (kv, dh)).repeat_interleave(g, dim=0).flatten(0, 1)   # (kv, dh, .) -> (h*dh, .)
-        v = v.unflatten(0, (kv, dh)).repeat_interleave(g, dim=0).flatten(0, 1)   # (kv, dh, .) -> (h*dh, .)
-        w = torch.cat([q, k, v])                           # (3 h dh, d [+ 1])
         with torch.no_grad():
+            w = self.in_proj.weight                        # ((h + 2kv) dh, d), plus the bias as a column:
+            if has_bias:                                   # each row's weights and bias travel together
+                w = torch.cat([w, self.in_proj.bias.unsqueeze(1)], dim=1)   # ((h + 2kv) dh, d + 1)
+            q, k, v = w.split([h * dh, kv * dh, kv * dh])
+            k = k.unflatten(0, (kv, dh)).repeat_interleave(g, dim=0).flatten(0, 1)   # (kv, dh, .) -> (h*dh, .)
+            v = v.unflatten(0, (kv, dh)).repeat_interleave(g, dim=0).flatten(0, 1)   # (kv, dh, .) -> (h*dh, .)
+            w = torch.cat([q, k, v])                       # (3 h dh, d [+ 1])
             ref.in_proj_weight.copy_(w[:, :d])
             ref.out_proj.weight.copy_(self.out_proj.weight)
             if has_bias:
