@@ -1119,13 +1119,17 @@ def shown_path(folder):
 
 
 def run_as_script(main):
-    """main(), ending quietly if the reader of our output goes away (python mha.py | head), as Python's docs advise."""
+    """main(), ending quietly if the reader of our output goes away (python mha.py | head), as Python's docs
+    advise, and in one line on Ctrl-C."""
     try:
         code = main()
         sys.stdout.flush()
     except BrokenPipeError:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())   # so the exit's own flush is silent
         code = 1
+    except KeyboardInterrupt:                              # Ctrl-C: one line and the shell's code for it
+        print(f"\n{os.path.basename(sys.argv[0])}: interrupted", file=sys.stderr)
+        code = 130
     sys.exit(code)
 
 

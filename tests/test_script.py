@@ -481,3 +481,14 @@ def test_render_pngs_survives_a_failing_copy():
 
     pngs = mha.render_pngs({"a.png": only_here, "b.png": only_here})
     assert list(pngs) == ["a.png", "b.png"] and pngs["a.png"] == pngs["b.png"] == mha.png_bytes(only_here())
+
+
+def test_ctrl_c_ends_in_one_line_and_exit_130(capsys, monkeypatch):
+    def interrupted():
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(sys, "argv", ["mha.py"])
+    with pytest.raises(SystemExit) as e:
+        mha.run_as_script(interrupted)
+    assert e.value.code == 130
+    assert capsys.readouterr().err == "\nmha.py: interrupted\n"
