@@ -15,14 +15,15 @@ What this file shows, top to bottom:
      K/V heads (or keeping each group's first head, or starting them afresh), then trains a little more.
   C. Trained attention maps: every head of a trained MHA on a real passage, and what each head attends to.
   Figures: figures/quality.png and figures/trained_attention_maps.png.
+  The models train in WORKERS processes side by side, one thread each (the last section says why).
 
 What it deliberately does not do: claim the cost at scale. The model is tiny (d=64, two layers) and trained
-for minutes, so its numbers are about this scale only, and at the default 400 steps the seed spread is as
-large as most of the gaps (the README also quotes a run with --steps 1000, where it is not). No dropout, no
-GPU, no tokenizer, no sampling of text.
+for minutes, so its numbers are about this scale only, and at the default 1000 steps the seed spread is as
+large as the gaps of GQA-4 and GQA-2 (the README also quotes a run with --steps 2500, where it is not). No
+dropout, no GPU, no tokenizer, no sampling of text.
 
-Run it:   python quality.py                 (4.5 to 5.5 minutes on 2 quiet CPU cores; writes figures/)
-          python quality.py --steps 1000    (the longer run the README quotes, about 10 minutes)
+Run it:   python quality.py                 (about 5 minutes on 2 CPU cores; writes figures/)
+          python quality.py --steps 2500    (the longer run the README quotes, about 13 minutes)
 
 Papers: Vaswani et al. 2017, "Attention Is All You Need", arXiv:1706.03762.
         Shazeer 2019, "Fast Transformer Decoding: One Write-Head Is All You Need", arXiv:1911.02150.
@@ -37,7 +38,10 @@ import argparse
 import copy
 import hashlib
 import math
+import multiprocessing
 import os
+import queue
+import signal
 import sys
 import time
 
@@ -53,9 +57,9 @@ N_HEADS = 8           # h: query heads, so each head is dh = 64 / 8 = 8 wide
 N_LAYERS = 2          # transformer blocks
 MLP_WIDTH = 256       # hidden units of each block's MLP (4 d)
 CONTEXT = 64          # T: characters the model sees at once (and learned positions)
-BATCH = 32            # B: windows per training step
-STEPS = 400           # training steps of each from-scratch model (--steps)
-LR = 1e-2             # peak learning rate of AdamW; high, because the model is tiny and the budget short
+BATCH = 16            # B: windows per training step
+STEPS = 1000          # training steps of each from-scratch model (--steps)
+LR = 7e-3             # peak learning rate of AdamW; high, because the model is tiny and the budget short
 WARMUP = 0.1          # fraction of the steps over which the learning rate rises linearly from 0 to LR
 MIN_LR = 0.1          # the cosine decay ends at MIN_LR * LR
 WEIGHT_DECAY = 0.1    # AdamW weight decay, on weight matrices only
@@ -64,12 +68,12 @@ SEEDS = (0, 1, 2)     # one initialisation and one data order per seed (--seeds)
 CONFIGS = {"MHA": 8, "GQA-4": 4, "GQA-2": 2, "MQA": 1}   # name: K/V heads of the 8-query-head model
 POOLS = ("mean", "first", "random")    # how conversion makes a K/V head from its group (B)
 UPTRAIN = (0.05, 0.10)                 # further training after conversion, as fractions of the steps
-UPTRAIN_LR = 2.5e-3   # constant learning rate of that further training (a quarter of LR), after its warmup
-UPTRAIN_WARMUP = 3    # steps of linear warmup of the further training (the optimizer starts afresh)
+UPTRAIN_LR = 1.75e-3  # constant learning rate of that further training (a quarter of LR), after its warmup
+UPTRAIN_WARMUP = 5    # steps of linear warmup of the further training (the optimizer starts afresh)
 VAL_FRACTION = 0.1    # the last tenth of the text is validation
 EVAL_WINDOWS = 256    # validation loss is the mean over these many windows, evenly spaced: 16,384 characters
 PASSAGE = 36          # characters of the passage whose attention maps are drawn (C)
-THREADS = 2           # torch threads; the same seeds and thread count give the same losses to the bit
+WORKERS = 2           # processes that train models side by side, one torch thread each (see "on both cores")
 SLOW = 3.0            # a stretch of steps this many times slower than the run's fastest is flagged
 PLAIN_EVERY = 5.0     # seconds between progress lines when stderr is not a terminal
 BYTES_PER_NUMBER = 4  # the KV cache of this float32 model
@@ -252,7 +256,8 @@ def train(model, data, starts, schedule, progress, label, evaluate_at=()):
     """Train model in place on the windows at starts (steps, B); return {step: validation bits/char}.
 
     schedule(step, steps) gives each step's learning rate. Validation is measured before the steps listed
-    in evaluate_at (a step equal to len(starts) means after the last).
+    in evaluate_at (a step equal to len(starts) means after the last). progress.step() hears of every step:
+    a Progress line here, or in a worker a Report that sends it to the main process's line.
     """
     steps, opt, curve = len(starts), optimizer(model), {}
     model.train()
@@ -304,6 +309,7 @@ class Progress:
         self.total, self.done, self.stream = total_steps, 0, stream
         self.tty = stream.isatty()
         self.start = self.last_print = time.perf_counter()
+        self.first = None                                  # when the first step began (workers start slowly)
         self.stretch = []                                  # seconds of the steps of the current stretch
         self.fastest = self.slowest = None                 # seconds per step, over whole stretches
         self.slowdown = 1.0                                # the last stretch against the fastest
@@ -311,6 +317,7 @@ class Progress:
 
     def step(self, label, step, steps, loss, seconds):
         self.done += 1
+        self.first = self.first or time.perf_counter() - seconds
         self.stretch.append(seconds)
         if len(self.stretch) == 10:
             pace = sum(self.stretch) / 10
@@ -323,7 +330,7 @@ class Progress:
             return
         self.last_print = now
         elapsed = now - self.start
-        left = elapsed / self.done * (self.total - self.done)
+        left = (now - self.first) / self.done * (self.total - self.done)
         line = (f"{label:<22} step {step:>5}/{steps:<5} loss {loss:5.3f} bits/char  elapsed {clock(elapsed)}  "
                 f"left ~{clock(left)}")
         if self.slowdown >= SLOW:
@@ -344,7 +351,8 @@ class Progress:
 
     def summary(self):
         """The wall time, and the fastest and slowest pace, so that a busy machine shows in the output."""
-        text = f"time: {(time.perf_counter() - self.start) / 60:.1f} min on {torch.get_num_threads()} threads"
+        minutes = (time.perf_counter() - self.start) / 60
+        text = f"time: {minutes:.1f} min, {WORKERS} worker{'s' * (WORKERS > 1)} of 1 thread"
         if self.fastest:
             text += (f"; a training step took {self.fastest * 1e3:.0f} ms at the fastest, "
                      f"{self.slowest * 1e3:.0f} ms at the slowest (means over stretches of 10 steps)")
@@ -376,18 +384,26 @@ def verdict(diffs):
     return f"{'worse' if mean > 0 else 'better'} than MHA, {abs(mean) / max(s, 1e-12):.1f}x the spread"
 
 
-def run_from_scratch(data, seeds, steps, progress):
+def run_from_scratch(data, seeds, steps, workers):
     """Train every configuration of every seed. Returns {seed: {config: (model, final bits/char, curve)}}."""
-    results = {}
-    marks = {round(steps * k / 8) for k in range(9)}       # validation along the way, for the learning curves
-    for seed in seeds:
-        starts = data.batches(seed, steps)
-        results[seed] = {}
-        for name, model in fresh_models(len(data.chars), seed).items():
-            curve = train(model, data, starts, lr_at, progress, f"A {name} seed {seed}",
-                          evaluate_at=marks)
-            results[seed][name] = (model, curve[steps], curve)
+    tasks = [(name, seed, steps) for name in CONFIGS for seed in seeds]    # the longest (MHA) first
+    done = workers.run(train_from_scratch, tasks)
+    results = {seed: {} for seed in seeds}
+    for (name, seed, _), (weights, curve) in zip(tasks, done):
+        model = CharLM(len(data.chars), CONFIGS[name])
+        model.load_state_dict(weights)
+        results[seed][name] = (model, curve[steps], curve)
     return results
+
+
+def train_from_scratch(name, seed, steps):
+    """One from-scratch model, as a worker trains it: returns its weights and its validation curve."""
+    data = WORKER["data"]
+    model = fresh_models(len(data.chars), seed)[name]
+    marks = {round(steps * k / 8) for k in range(9)}       # validation along the way, for the learning curves
+    curve = train(model, data, data.batches(seed, steps), lr_at, WORKER["report"], f"A {name} seed {seed}",
+                  evaluate_at=marks)
+    return model.state_dict(), curve
 
 
 def print_table_a(results, steps):
@@ -408,26 +424,37 @@ def print_table_a(results, steps):
 
 
 # ----------------------------------------------------------------------------- B. conversion
-def run_conversion(data, scratch, steps, progress):
+def run_conversion(scratch, steps, workers):
     """Convert each seed's trained MHA to every smaller configuration with every pool, and train on.
 
     Returns {seed: {(config, pool): {step: bits/char}}}, steps counted from the conversion. The further
     training sees the batches that come after the original steps in the seed's data order, the same for
     every conversion of a seed; ("MHA", "none") is the trained MHA itself, trained on the same way.
     """
-    up = [max(1, round(f * steps)) for f in UPTRAIN]
-    marks = {0, *up}
-    curves = {}
-    for seed, runs in scratch.items():
-        starts = data.batches(seed, steps + up[-1])[steps:]
-        trained = runs["MHA"][0]
-        curves[seed] = {}
-        targets = [("MHA", "none")] + [(n, p) for n in CONFIGS if n != "MHA" for p in POOLS]
-        for name, pool in targets:
-            model = copy.deepcopy(trained) if pool == "none" else with_kv_heads(trained, CONFIGS[name], pool, seed)
-            curves[seed][name, pool] = train(model, data, starts, uptrain_lr_at, progress,
-                                             f"B {name} {pool} seed {seed}", evaluate_at=marks)
-    return curves, up
+    targets = [("MHA", "none")] + [(n, p) for n in CONFIGS if n != "MHA" for p in POOLS]
+    tasks = [(name, pool, seed, steps, runs["MHA"][0].state_dict())
+             for seed, runs in scratch.items() for name, pool in targets]
+    done = workers.run(convert_and_train, tasks)
+    curves = {seed: {} for seed in scratch}
+    for (name, pool, seed, _, _), curve in zip(tasks, done):
+        curves[seed][name, pool] = curve
+    return curves, uptrain_steps(steps)
+
+
+def uptrain_steps(steps):
+    """The further training after conversion, in steps: UPTRAIN of the original steps, at least 1 each."""
+    return [max(1, round(f * steps)) for f in UPTRAIN]
+
+
+def convert_and_train(name, pool, seed, steps, mha_weights):
+    """One conversion, as a worker runs it: the trained MHA to config by pool, then the further training."""
+    data, up = WORKER["data"], uptrain_steps(steps)
+    trained = CharLM(len(data.chars), N_HEADS)
+    trained.load_state_dict(mha_weights)
+    model = trained if pool == "none" else with_kv_heads(trained, CONFIGS[name], pool, seed)
+    starts = data.batches(seed, steps + up[-1])[steps:]
+    return train(model, data, starts, uptrain_lr_at, WORKER["report"], f"B {name} {pool} seed {seed}",
+                 evaluate_at={0, *up})
 
 
 def print_table_b(curves, scratch, steps, up):
@@ -609,6 +636,65 @@ def plot_trained_maps(model, data, seed, steps, best):
     return fig
 
 
+# ----------------------------------------------------------------------------- on both cores
+# A model this small splits badly over threads: on the 2-core machine this was written on, a training step
+# took 26 ms on two threads and 38 ms on one, while two processes of one thread each, side by side, took
+# 37 ms a step each: 1.4 times the work done per second. So every model trains in a worker process on
+# exactly one thread, WORKERS at a time. A model's numbers depend only on its task (configuration, seed,
+# steps), never on which worker ran it or how many workers there are.
+
+WORKER = {}   # in a worker process: the data, and where its progress goes
+
+
+def start_worker(progress_queue):
+    """A worker's first act: one thread, the data, and Ctrl-C left to the main process."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    torch.set_num_threads(1)
+    WORKER["data"], WORKER["report"] = Data(load_text()), Report(progress_queue)
+
+
+class Report:
+    """Stands in for the progress line inside a worker: train() calls step(), the main process prints."""
+
+    def __init__(self, progress_queue):
+        self.queue = progress_queue
+
+    def step(self, *args):
+        self.queue.put(args)
+
+
+class Workers:
+    """n worker processes that run tasks, while the main process keeps the progress line up to date."""
+
+    def __init__(self, n, progress):
+        context = multiprocessing.get_context("spawn")    # a fresh interpreter: no threads or locks inherited
+        self.queue, self.progress = context.Queue(), progress
+        self.pool = context.Pool(n, initializer=start_worker, initargs=(self.queue,))
+
+    def run(self, fn, tasks):
+        """fn(*task) for every task, spread over the workers; the results in the order of the tasks."""
+        pending = [self.pool.apply_async(fn, task) for task in tasks]
+        while not all(p.ready() for p in pending):
+            self.show_progress(wait=0.1)
+        self.show_progress()
+        return [p.get() for p in pending]
+
+    def show_progress(self, wait=0.0):
+        try:
+            self.progress.step(*self.queue.get(timeout=wait))
+            while True:
+                self.progress.step(*self.queue.get_nowait())
+        except queue.Empty:
+            pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.pool.terminate()
+        self.pool.join()
+
+
 # ----------------------------------------------------------------------------- main
 def whole_positive(text):
     """argparse type for --steps: a positive whole number, or one line naming the value and the rule."""
@@ -653,38 +739,40 @@ def main(argv=None):
     if problem:
         print(f"quality.py: error: {problem}", file=sys.stderr)
         return 1
-    torch.set_num_threads(THREADS)
-    text = load_text()
-    data = Data(text)
-    unigram, bigram = baselines(data)
-    print(f"What GQA and MQA cost in quality: a character-level LM, d={D_MODEL}, {N_HEADS} query heads of width "
-          f"{D_MODEL // N_HEADS}, {N_LAYERS} layers, T={CONTEXT}, batch {BATCH}")
-    print(f"data: {describe_text(text)}")
-    print(f"      train {len(data.train):,} characters, validation {len(data.val):,} (the last "
-          f"{VAL_FRACTION:.0%}); the loss is measured on {EVAL_WINDOWS} windows = {EVAL_WINDOWS * CONTEXT:,} "
-          "characters")
-    print(f"      validation bits/char of a unigram model {unigram:.2f}, of a bigram model {bigram:.2f}")
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads: the same seeds and thread count give "
-          "the same numbers to the bit")
-    sys.stdout.flush()
-
-    up_steps = max(1, round(UPTRAIN[-1] * args.steps))
+    torch.set_num_threads(1)                               # as in the workers: table C and the maps alike
+    up_steps = uptrain_steps(args.steps)[-1]
     conversions = 1 + (len(CONFIGS) - 1) * len(POOLS)
     progress = Progress(len(args.seeds) * (len(CONFIGS) * args.steps + conversions * up_steps))
-    scratch = run_from_scratch(data, args.seeds, args.steps, progress)
-    progress.clear()
-    print_table_a(scratch, args.steps)
-    sys.stdout.flush()
+    with Workers(WORKERS, progress) as workers:            # they start while the data is read here
+        text = load_text()
+        data = Data(text)
+        unigram, bigram = baselines(data)
+        print(f"What GQA and MQA cost in quality: a character-level LM, d={D_MODEL}, {N_HEADS} query heads of "
+              f"width {D_MODEL // N_HEADS}, {N_LAYERS} layers, T={CONTEXT}, batch {BATCH}")
+        print(f"data: {describe_text(text)}")
+        print(f"      train {len(data.train):,} characters, validation {len(data.val):,} (the last "
+              f"{VAL_FRACTION:.0%}); the loss is measured on {EVAL_WINDOWS} windows = {EVAL_WINDOWS * CONTEXT:,} "
+              "characters")
+        print(f"      validation bits/char of a unigram model {unigram:.2f}, of a bigram model {bigram:.2f}")
+        print(f"torch {torch.__version__}, {WORKERS} worker process{'es' * (WORKERS > 1)} of 1 thread each: the same "
+              "seeds give the same numbers to the bit, whatever the number of workers")
+        sys.stdout.flush()
 
-    curves, up = run_conversion(data, scratch, args.steps, progress)
-    progress.clear()
-    print_table_b(curves, scratch, args.steps, up)
+        scratch = run_from_scratch(data, args.seeds, args.steps, workers)
+        progress.clear()
+        print_table_a(scratch, args.steps)
+        sys.stdout.flush()
+
+        curves, up = run_conversion(scratch, args.steps, workers)
+        progress.clear()
+        print_table_b(curves, scratch, args.steps, up)
 
     trained = scratch[args.seeds[0]]["MHA"][0]
     best = print_table_c(head_roles(trained, data), args.seeds[0])
     figures = [plot_quality(scratch, curves, args.steps, up),
                plot_trained_maps(trained, data, args.seeds[0], args.steps, best)]
-    if not mha.write_figures("quality.py", args.out_dir, {name: mha.png_bytes(fig) for name, fig in zip(FIGURES, figures)}):
+    pngs = {name: mha.png_bytes(fig) for name, fig in zip(FIGURES, figures)}
+    if not mha.write_figures("quality.py", args.out_dir, pngs):
         return 1
     print(f"\nFigures written to {mha.shown_path(args.out_dir)}: {', '.join(FIGURES)}")
     print(progress.summary())

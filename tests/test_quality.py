@@ -2,8 +2,11 @@
 
 import io
 import os
+import pathlib
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -23,15 +26,15 @@ def run(*args, **kwargs):
 
 
 def numbers(stdout):
-    """Everything the run prints except its wall time and the folder it wrote to."""
-    return [line for line in stdout.splitlines() if not line.startswith(("time:", "Figures written to"))]
+    """Everything the run prints except its wall time, its number of workers and the folder it wrote to."""
+    return [line for line in stdout.splitlines() if not line.startswith(("time:", "Figures written to", "torch "))]
 
 
 @pytest.fixture(scope="module")
-def two_runs(tmp_path_factory):
-    """Two tiny runs with the same seed into two folders (the expensive part, shared below)."""
-    outs = [tmp_path_factory.mktemp(f"quality{i}") for i in range(2)]
-    return [(run(*TINY, "--out-dir", str(o)), o) for o in outs]
+def tiny_run(tmp_path_factory):
+    """One tiny run as a user starts it, on the default WORKERS (the expensive part, shared below)."""
+    out = tmp_path_factory.mktemp("quality")
+    return run(*TINY, "--out-dir", str(out)), out
 
 
 @pytest.fixture(scope="module")
@@ -40,13 +43,13 @@ def data():
 
 
 # ----------------------------------------------------------------------------- end to end
-def test_tiny_run_prints_three_tables_and_writes_two_pngs(two_runs):
-    r, out_dir = two_runs[0]
+def test_tiny_run_prints_three_tables_and_writes_two_pngs(tiny_run):
+    r, out_dir = tiny_run
     assert r.returncode == 0, r.stderr
     assert "Traceback" not in r.stderr and "\r" not in r.stderr      # piped: plain progress lines only
     out = r.stdout
     assert f"Python {sys.version.split()[0]}" in out and "sha256" in out
-    assert f"{quality.THREADS} threads" in out
+    assert f"{quality.WORKERS} worker processes of 1 thread each" in out
     table_a = out.split("A. From scratch")[1].split("B. Conversion")[0]
     for name, kv in quality.CONFIGS.items():
         assert any(line.split()[:2] == [name, str(kv)] for line in table_a.splitlines()), name
@@ -64,12 +67,24 @@ def test_tiny_run_prints_three_tables_and_writes_two_pngs(two_runs):
         assert (out_dir / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
 
 
-def test_same_seed_same_numbers_and_same_pngs(two_runs):
-    (a, a_dir), (b, b_dir) = two_runs
-    assert a.returncode == b.returncode == 0, a.stderr + b.stderr
-    assert numbers(a.stdout) == numbers(b.stdout)
+def test_same_seed_same_numbers_and_pngs_with_one_worker_or_two(tiny_run, tmp_path, capsys, monkeypatch):
+    """A second run with the same seed, in process and on one worker: every number and both PNGs the same.
+
+    Every model trains on one thread in whichever worker is free, so the number of workers changes no bit.
+    """
+    a, a_dir = tiny_run
+    assert a.returncode == 0 and quality.WORKERS == 2, a.stderr
+    monkeypatch.setattr(quality, "WORKERS", 1)
+    threads = torch.get_num_threads()
+    try:
+        assert quality.main([*TINY, "--out-dir", str(tmp_path)]) == 0
+    finally:
+        torch.set_num_threads(threads)                                             # main() computes on one thread
+    out = capsys.readouterr().out
+    assert "1 worker process of 1 thread each" in out
+    assert numbers(out) == numbers(a.stdout)
     for name in FIGURES:
-        assert (a_dir / name).read_bytes() == (b_dir / name).read_bytes(), name
+        assert (tmp_path / name).read_bytes() == (a_dir / name).read_bytes(), name
 
 
 def test_seeds_change_the_numbers(data):
@@ -97,6 +112,32 @@ def test_broken_pipe_exits_quietly(tmp_path):
     err = p.stderr.read().decode()
     assert p.wait(timeout=300) == 1
     assert "Traceback" not in err and "BrokenPipe" not in err, err
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads a process's children from /proc")
+def test_ctrl_c_is_one_line_exit_130_and_stops_the_workers(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in ("DISPLAY", "MPLBACKEND")}
+    p = subprocess.Popen([sys.executable, SCRIPT, "--steps", "1000", "--seeds", "0", "--out-dir", str(tmp_path)],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    p.stdout.readline()                                                            # the workers have started
+    children = pathlib.Path(f"/proc/{p.pid}/task/{p.pid}/children").read_text().split()
+    assert len(children) >= quality.WORKERS
+    p.send_signal(signal.SIGINT)
+    assert p.wait(timeout=60) == 130
+    err = p.stderr.read()
+    assert err.endswith("quality.py: interrupted\n") and "Traceback" not in err, err
+    assert os.listdir(tmp_path) == []
+
+    def alive(pid):
+        try:
+            return pathlib.Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"   # no zombie
+        except FileNotFoundError:
+            return False
+
+    deadline = time.monotonic() + 10
+    while any(map(alive, children)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(map(alive, children)), "a worker outlived the interrupted run"
 
 
 # ----------------------------------------------------------------------------- bad input
