@@ -15,12 +15,12 @@ What this file shows, top to bottom:
      K/V heads (or keeping each group's first head, or starting them afresh), then trains a little more.
   C. Trained attention maps: every head of a trained MHA on a real passage, and what each head attends to.
   Figures: figures/quality.png and figures/trained_attention_maps.png.
-  The models train in WORKERS processes side by side, one thread each (the last section says why).
+  The models train in WORKERS processes side by side, one thread each (the section before main() says why).
 
 What it deliberately does not do: claim the cost at scale. The model is tiny (d=64, two layers) and trained
 for minutes, so its numbers are about this scale only, and at the default 1000 steps the seed spread is as
-large as the gaps of GQA-4 and GQA-2 (the README also quotes a run with --steps 2500, where it is not). No
-dropout, no GPU, no tokenizer, no sampling of text.
+large as the gaps of GQA-4 and GQA-2 (the README also quotes a run with --steps 2500, where MQA's and
+GQA-2's gaps stand clear of it). No dropout, no GPU, no tokenizer, no sampling of text.
 
 Run it:   python quality.py                 (about 5 minutes on 2 CPU cores; writes figures/)
           python quality.py --steps 2500    (the longer run the README quotes, about 13 minutes)
@@ -44,6 +44,7 @@ import queue
 import signal
 import sys
 import time
+import traceback
 
 import torch
 import torch.nn.functional as F
@@ -68,7 +69,7 @@ SEEDS = (0, 1, 2)     # one initialisation and one data order per seed (--seeds)
 CONFIGS = {"MHA": 8, "GQA-4": 4, "GQA-2": 2, "MQA": 1}   # name: K/V heads of the 8-query-head model
 POOLS = ("mean", "first", "random")    # how conversion makes a K/V head from its group (B)
 UPTRAIN = (0.05, 0.10)                 # further training after conversion, as fractions of the steps
-UPTRAIN_LR = 1.75e-3  # constant learning rate of that further training (a quarter of LR), after its warmup
+UPTRAIN_LR = LR / 4   # constant learning rate of that further training, after its warmup
 UPTRAIN_WARMUP = 5    # steps of linear warmup of the further training (the optimizer starts afresh)
 VAL_FRACTION = 0.1    # the last tenth of the text is validation
 EVAL_WINDOWS = 256    # validation loss is the mean over these many windows, evenly spaced: 16,384 characters
@@ -397,7 +398,8 @@ def run_from_scratch(data, seeds, steps, workers):
 
 
 def train_from_scratch(name, seed, steps):
-    """One from-scratch model, as a worker trains it: returns its weights and its validation curve."""
+    """One from-scratch model, as a worker trains it (WORKER holds the worker's data, see "on both cores"):
+    returns its weights and its validation curve."""
     data = WORKER["data"]
     model = fresh_models(len(data.chars), seed)[name]
     marks = {round(steps * k / 8) for k in range(9)}       # validation along the way, for the learning curves
@@ -474,7 +476,7 @@ def print_table_b(curves, scratch, steps, up):
         scratch_loss = mean([scratch[s][name][1] for s in seeds])
         label = "(trained)" if pool == "none" else pool + (" pool" if pool == "mean" else "")
         print(f"   {name:<7}{label:<13}{cells}{scratch_loss:>18.3f}")
-    # The bars of the issue, computed from the numbers above.
+    # Two findings of Ainslie et al. (their Figure 4), checked against the numbers above.
     targets = [n for n in CONFIGS if n != "MHA"]
     beats = {n: mean([curves[s][n, "mean"][0] for s in seeds]) < mean([curves[s][n, "random"][0] for s in seeds])
              for n in targets}
@@ -496,17 +498,20 @@ def passage_start(text):
 
 
 def head_roles(model, data):
-    """Mean attention of every head on four kinds of key, over all validation windows.
+    """Mean attention of every head on four kinds of key over all validation windows, and the same for
+    uniform causal attention (every key so far alike): the level a head reaches by favouring nothing.
 
-    Returns {role: (layers, h) tensor}. Roles: the previous character, the character itself, whitespace
-    (spaces and newlines), and the first character of the current word (just after the last whitespace).
+    Returns ({role: (layers, h) tensor}, {role: float}). Roles: the previous character, the character
+    itself, whitespace (spaces and newlines), and the first character of the current word (just after the
+    last whitespace). Uniform attention puts a quarter of itself on whitespace here, because a quarter of the
+    text is whitespace: a head at 26% on it favours nothing.
     """
     x = data.val_x                                          # (N, T)
     with torch.no_grad():
         model.eval()
         _, maps = model(x, need_weights=True)               # each (N, h, T, T)
         model.train()
-    T = x.shape[1]
+    N, T = x.shape
     space = torch.tensor([c.isspace() for c in data.chars])[x]        # (N, T)
     pos = torch.arange(T).expand_as(x)                                 # (N, T)
     # The start of the word that holds position i: the latest j <= i with j == 0 or a space at j - 1.
@@ -514,27 +519,35 @@ def head_roles(model, data):
     word_start = torch.where(after_space, pos, torch.zeros_like(pos)).cummax(dim=1).values  # (N, T)
     keys = torch.arange(T)
     masks = {
-        "previous": (keys[None, :] == keys[:, None] - 1).expand(len(x), T, T),       # (N, T, T)
-        "itself": (keys[None, :] == keys[:, None]).expand(len(x), T, T),
-        "whitespace": space[:, None, :].expand(len(x), T, T),
+        "previous": (keys[None, :] == keys[:, None] - 1).expand(N, T, T),            # (N, T, T)
+        "itself": (keys[None, :] == keys[:, None]).expand(N, T, T),
+        "whitespace": space[:, None, :].expand(N, T, T),
         "word start": keys[None, None, :] == word_start[:, :, None],
     }
-    rows = slice(1, None)                                   # the first query can only see itself
-    return {role: torch.stack([(p * m[:, None].float())[:, :, rows].sum(-1).mean((0, 2)) for p in maps])
-            for role, m in masks.items()}                  # (layers, h) each
+
+    def on(p, m):                                           # p (N, h, T, T), m (N, T, T) -> (h,)
+        return (p * m[:, None].float())[:, :, 1:].sum(-1).mean((0, 2))   # row 0 can only see itself
+
+    uniform = torch.tril(torch.ones(T, T)) / (keys[:, None] + 1)       # (T, T): row i is 1/(i+1) on keys 0..i
+    roles = {role: torch.stack([on(p, m) for p in maps]) for role, m in masks.items()}   # (layers, h) each
+    chance = {role: on(uniform.expand(N, 1, T, T), m).item() for role, m in masks.items()}
+    return roles, chance
 
 
-def print_table_c(roles, seed):
+def print_table_c(roles, chance, seed):
     prev = roles["previous"]
     layer, head = divmod(int(prev.argmax()), N_HEADS)
     print(f"\nC. What each head of the trained MHA attends to (seed {seed}): mean attention on each kind "
-          f"of key,\n   over {EVAL_WINDOWS * CONTEXT:,} validation characters")
+          f"of key,\n   over {EVAL_WINDOWS * CONTEXT:,} validation characters. 'uniform' attends to every key so "
+          "far alike; 'strongest' is\n   the kind of key a head favours most, as a multiple of that uniform level")
     print(f"   {'layer':>5}{'head':>5}" + "".join(f"{role:>12}" for role in roles) + "   strongest")
+    print((f"   {'uniform':>10}" + "".join(f"{chance[r]:>11.0%} " for r in roles)).rstrip())
     for i in range(N_LAYERS):
         for j in range(N_HEADS):
-            vals = [roles[r][i, j].item() for r in roles]
-            top = max(range(len(vals)), key=vals.__getitem__)
-            print(f"   {i:>5}{j:>5}" + "".join(f"{v:>11.0%} " for v in vals) + f"  {list(roles)[top]}")
+            ratios = {r: roles[r][i, j].item() / chance[r] for r in roles}
+            top = max(ratios, key=ratios.get)
+            print(f"   {i:>5}{j:>5}" + "".join(f"{roles[r][i, j].item():>11.0%} " for r in roles)
+                  + f"  {top}, {ratios[top]:.1f}x uniform")
     print(f"   most previous-character-like: layer {layer} head {head}, {prev[layer, head]:.0%} of its attention "
           "on the character just before")
     return layer, head
@@ -646,21 +659,31 @@ def plot_trained_maps(model, data, seed, steps, best):
 WORKER = {}   # in a worker process: the data, and where its progress goes
 
 
-def start_worker(progress_queue):
-    """A worker's first act: one thread, the data, and Ctrl-C left to the main process."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+def work(inbox, outbox):
+    """A worker's life: one thread, the data, then tasks from inbox until it is stopped.
+
+    Everything it says goes to outbox: ("step", ...) for the progress line, ("done", i, result) for task i,
+    or ("failed", traceback) if a task raised, so the main process can stop at once instead of at the end.
+    """
+    signal.signal(signal.SIGINT, signal.SIG_IGN)           # Ctrl-C is the main process's to handle
     torch.set_num_threads(1)
-    WORKER["data"], WORKER["report"] = Data(load_text()), Report(progress_queue)
+    WORKER["data"], WORKER["report"] = Data(load_text()), Report(outbox)
+    while True:
+        i, fn, task = inbox.get()
+        try:
+            outbox.put(("done", i, fn(*task)))
+        except Exception:  # noqa: BLE001 -- whatever it is, the main process raises it with this traceback
+            outbox.put(("failed", traceback.format_exc()))
 
 
 class Report:
     """Stands in for the progress line inside a worker: train() calls step(), the main process prints."""
 
-    def __init__(self, progress_queue):
-        self.queue = progress_queue
+    def __init__(self, outbox):
+        self.outbox = outbox
 
     def step(self, *args):
-        self.queue.put(args)
+        self.outbox.put(("step", *args))
 
 
 class Workers:
@@ -668,31 +691,46 @@ class Workers:
 
     def __init__(self, n, progress):
         context = multiprocessing.get_context("spawn")    # a fresh interpreter: no threads or locks inherited
-        self.queue, self.progress = context.Queue(), progress
-        self.pool = context.Pool(n, initializer=start_worker, initargs=(self.queue,))
+        self.inbox, self.outbox, self.progress = context.Queue(), context.Queue(), progress
+        self.processes = [context.Process(target=work, args=(self.inbox, self.outbox), daemon=True)
+                          for _ in range(n)]
+        ctrl_c = signal.signal(signal.SIGINT, signal.SIG_IGN)   # a worker is born ignoring Ctrl-C, so one
+        try:                                                     # pressed while it starts cannot reach it
+            for p in self.processes:
+                p.start()
+        finally:
+            signal.signal(signal.SIGINT, ctrl_c)
 
     def run(self, fn, tasks):
         """fn(*task) for every task, spread over the workers; the results in the order of the tasks."""
-        pending = [self.pool.apply_async(fn, task) for task in tasks]
-        while not all(p.ready() for p in pending):
-            self.show_progress(wait=0.1)
-        self.show_progress()
-        return [p.get() for p in pending]
-
-    def show_progress(self, wait=0.0):
-        try:
-            self.progress.step(*self.queue.get(timeout=wait))
-            while True:
-                self.progress.step(*self.queue.get_nowait())
-        except queue.Empty:
-            pass
+        for i, task in enumerate(tasks):
+            self.inbox.put((i, fn, task))
+        results = {}
+        while len(results) < len(tasks):
+            try:
+                kind, *message = self.outbox.get(timeout=0.5)
+            except queue.Empty:
+                for p in self.processes:
+                    if not p.is_alive():
+                        raise ChildProcessError(f"a worker process stopped (exit code {p.exitcode}: killed, or "
+                                                "out of memory?) before its models were trained")
+                continue
+            if kind == "step":
+                self.progress.step(*message)
+            elif kind == "failed":
+                raise RuntimeError(f"a worker process failed:\n{message[0]}")
+            else:
+                results[message[0]] = message[1]
+        return [results[i] for i in range(len(tasks))]
 
     def __enter__(self):
         return self
 
     def __exit__(self, *exc):
-        self.pool.terminate()
-        self.pool.join()
+        for p in self.processes:                           # idle or not: nothing they hold is needed now
+            p.terminate()
+        for p in self.processes:
+            p.join()
 
 
 # ----------------------------------------------------------------------------- main
@@ -702,8 +740,8 @@ def whole_positive(text):
         value = int(text)
     except ValueError:
         value = None
-    if value is None or value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} must be a positive whole number")
+    if value is None or not 1 <= value <= 100_000:      # 100,000 steps: about an hour for each model
+        raise argparse.ArgumentTypeError(f"{text!r} must be a positive whole number, at most 100,000")
     return value
 
 
@@ -733,42 +771,53 @@ def parse_args(argv=None):
     return args
 
 
+def train_everything(args, workers, progress):
+    """The data, then parts A and B on the workers, each table printed as soon as it is known."""
+    text = load_text()
+    data = Data(text)
+    unigram, bigram = baselines(data)
+    print(f"What GQA and MQA cost in quality: a character-level LM, d={D_MODEL}, {N_HEADS} query heads of "
+          f"width {D_MODEL // N_HEADS}, {N_LAYERS} layers, T={CONTEXT}, batch {BATCH}")
+    print(f"data: {describe_text(text)}")
+    print(f"      train {len(data.train):,} characters, validation {len(data.val):,} (the last "
+          f"{VAL_FRACTION:.0%}); the loss is measured on {EVAL_WINDOWS} windows = {EVAL_WINDOWS * CONTEXT:,} "
+          "characters")
+    print(f"      validation bits/char of a unigram model {unigram:.2f}, of a bigram model {bigram:.2f}")
+    print(f"torch {torch.__version__}, {WORKERS} worker process{'es' * (WORKERS > 1)} of 1 thread each: the same "
+          "seeds give the same numbers to the bit, whatever the number of workers")
+    sys.stdout.flush()
+
+    scratch = run_from_scratch(data, args.seeds, args.steps, workers)
+    progress.clear()
+    print_table_a(scratch, args.steps)
+    sys.stdout.flush()
+
+    curves, up = run_conversion(scratch, args.steps, workers)
+    progress.clear()
+    print_table_b(curves, scratch, args.steps, up)
+    return scratch, curves, up, data
+
+
 def main(argv=None):
     args = parse_args(argv)
     problem = mha.out_dir_problem(args.out_dir, FIGURES)
     if problem:
         print(f"quality.py: error: {problem}", file=sys.stderr)
         return 1
-    torch.set_num_threads(1)                               # as in the workers: table C and the maps alike
+    torch.set_num_threads(1)                               # table C and the maps, like every model: one thread
     up_steps = uptrain_steps(args.steps)[-1]
     conversions = 1 + (len(CONFIGS) - 1) * len(POOLS)
     progress = Progress(len(args.seeds) * (len(CONFIGS) * args.steps + conversions * up_steps))
-    with Workers(WORKERS, progress) as workers:            # they start while the data is read here
-        text = load_text()
-        data = Data(text)
-        unigram, bigram = baselines(data)
-        print(f"What GQA and MQA cost in quality: a character-level LM, d={D_MODEL}, {N_HEADS} query heads of "
-              f"width {D_MODEL // N_HEADS}, {N_LAYERS} layers, T={CONTEXT}, batch {BATCH}")
-        print(f"data: {describe_text(text)}")
-        print(f"      train {len(data.train):,} characters, validation {len(data.val):,} (the last "
-              f"{VAL_FRACTION:.0%}); the loss is measured on {EVAL_WINDOWS} windows = {EVAL_WINDOWS * CONTEXT:,} "
-              "characters")
-        print(f"      validation bits/char of a unigram model {unigram:.2f}, of a bigram model {bigram:.2f}")
-        print(f"torch {torch.__version__}, {WORKERS} worker process{'es' * (WORKERS > 1)} of 1 thread each: the same "
-              "seeds give the same numbers to the bit, whatever the number of workers")
-        sys.stdout.flush()
-
-        scratch = run_from_scratch(data, args.seeds, args.steps, workers)
+    try:
+        with Workers(WORKERS, progress) as workers:        # they start while the data is read here
+            scratch, curves, up, data = train_everything(args, workers, progress)
+    except ChildProcessError as e:
         progress.clear()
-        print_table_a(scratch, args.steps)
-        sys.stdout.flush()
-
-        curves, up = run_conversion(scratch, args.steps, workers)
-        progress.clear()
-        print_table_b(curves, scratch, args.steps, up)
+        print(f"quality.py: error: {e}; nothing was written", file=sys.stderr)
+        return 1
 
     trained = scratch[args.seeds[0]]["MHA"][0]
-    best = print_table_c(head_roles(trained, data), args.seeds[0])
+    best = print_table_c(*head_roles(trained, data), args.seeds[0])
     figures = [plot_quality(scratch, curves, args.steps, up),
                plot_trained_maps(trained, data, args.seeds[0], args.steps, best)]
     pngs = {name: mha.png_bytes(fig) for name, fig in zip(FIGURES, figures)}

@@ -116,13 +116,14 @@ def test_broken_pipe_exits_quietly(tmp_path):
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads a process's children from /proc")
 def test_ctrl_c_is_one_line_exit_130_and_stops_the_workers(tmp_path):
+    """Ctrl-C reaches every process of the group, workers too, even while they start: one line, no trace."""
     env = {k: v for k, v in os.environ.items() if k not in ("DISPLAY", "MPLBACKEND")}
     p = subprocess.Popen([sys.executable, SCRIPT, "--steps", "1000", "--seeds", "0", "--out-dir", str(tmp_path)],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    p.stdout.readline()                                                            # the workers have started
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+    p.stdout.readline()                                    # the workers have started, and may still be importing
     children = pathlib.Path(f"/proc/{p.pid}/task/{p.pid}/children").read_text().split()
     assert len(children) >= quality.WORKERS
-    p.send_signal(signal.SIGINT)
+    os.killpg(p.pid, signal.SIGINT)                                                # as a terminal's Ctrl-C does
     assert p.wait(timeout=60) == 130
     err = p.stderr.read()
     assert err.endswith("quality.py: interrupted\n") and "Traceback" not in err, err
@@ -140,9 +141,36 @@ def test_ctrl_c_is_one_line_exit_130_and_stops_the_workers(tmp_path):
     assert not any(map(alive, children)), "a worker outlived the interrupted run"
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="finds the workers in /proc")
+def test_a_worker_killed_from_outside_is_one_line_and_exit_1(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in ("DISPLAY", "MPLBACKEND")}
+    p = subprocess.Popen([sys.executable, SCRIPT, "--steps", "1000", "--seeds", "0", "--out-dir", str(tmp_path)],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    p.stdout.readline()
+    children = pathlib.Path(f"/proc/{p.pid}/task/{p.pid}/children").read_text().split()
+    workers = [c for c in children if "resource_tracker" not in pathlib.Path(f"/proc/{c}/cmdline").read_text()]
+    assert len(workers) == quality.WORKERS
+    os.kill(int(workers[0]), signal.SIGKILL)                                       # as the OOM killer would
+    assert p.wait(timeout=60) == 1
+    err = p.stderr.read()
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("quality.py: error: a worker process stopped (exit code -9"), err
+    assert "nothing was written" in last and "Traceback" not in err, err
+    assert os.listdir(tmp_path) == []
+
+
+def test_an_error_in_a_worker_stops_the_run_at_once():
+    """A task that fails is raised in the main process with its traceback, not after the tasks queued behind it."""
+    progress = quality.Progress(1, io.StringIO())
+    start = time.monotonic()
+    with quality.Workers(1, progress) as workers, pytest.raises(RuntimeError, match="KeyError: 'no such config'"):
+        workers.run(quality.train_from_scratch, [("no such config", 0, 1), ("MHA", 0, 100_000)])
+    assert time.monotonic() - start < 60
+
+
 # ----------------------------------------------------------------------------- bad input
 @pytest.mark.parametrize("argv, value", [
-    (["--steps", "0"], "'0'"), (["--steps", "-3"], "'-3'"), (["--steps", "1.5"], "'1.5'"), (["--steps", "x"], "'x'"),
+    (["--steps", "0"], "'0'"), (["--steps", "-3"], "'-3'"), (["--steps", "1000000000000"], "'1000000000000'"), (["--steps", "1.5"], "'1.5'"), (["--steps", "x"], "'x'"),
     (["--seeds", "x"], "'x'"), (["--seeds", "-1"], "'-1'"), (["--seeds", str(2**32)], str(2**32)),
     (["--seeds", "1", "1"], "1 1"), (["--seeds"], "--seeds"),
 ])
@@ -256,9 +284,28 @@ def test_head_roles_known_answer(data):
             p[:, 1:, torch.arange(1, T), torch.arange(1, T)] = 1.0               # itself
             return None, [p]
 
-    roles = quality.head_roles(Fake(), data)
+    roles, chance = quality.head_roles(Fake(), data)
     assert roles["previous"][0, 0].item() == pytest.approx(1.0) and roles["itself"][0, 0].item() == 0.0
     assert roles["itself"][0, 1].item() == pytest.approx(1.0) and roles["previous"][0, 1].item() == 0.0
+    # Uniform attention: query i puts 1/(i+1) on each key, so on the previous key (and on itself) the mean
+    # over queries 1 .. T-1 is the mean of 1/(i+1); on whitespace it is about the share of whitespace.
+    level = sum(1 / (i + 1) for i in range(1, T)) / (T - 1)
+    assert chance["previous"] == pytest.approx(level) and chance["itself"] == pytest.approx(level)
+    share = sum(data.chars[c].isspace() for c in data.val_x.flatten().tolist()) / data.val_x.numel()
+    assert abs(chance["whitespace"] - share) < 0.03
+
+
+def test_a_head_attending_uniformly_is_at_the_uniform_level_for_every_role(data):
+    T, h = quality.CONTEXT, quality.N_HEADS
+
+    class Uniform(torch.nn.Module):
+        def forward(self, x, need_weights=False):
+            p = torch.tril(torch.ones(T, T)) / torch.arange(1, T + 1)[:, None]
+            return None, [p.expand(len(x), h, T, T)]
+
+    roles, chance = quality.head_roles(Uniform(), data)
+    for role, level in chance.items():
+        assert torch.allclose(roles[role], torch.full((1, h), level)), role
 
 
 def test_verdict_is_computed_from_the_spread():
