@@ -503,8 +503,8 @@ def head_roles(model, data):
 
     Returns ({role: (layers, h) tensor}, {role: float}). Roles: the previous character, the character
     itself, whitespace (spaces and newlines), and the first character of the current word (just after the
-    last whitespace). Uniform attention puts a quarter of itself on whitespace here, because a quarter of the
-    text is whitespace: a head at 26% on it favours nothing.
+    last whitespace). Uniform attention puts 28% of itself on whitespace here, about the share of whitespace
+    in the text: a head at 28% on whitespace favours nothing.
     """
     x = data.val_x                                          # (N, T)
     with torch.no_grad():
