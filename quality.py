@@ -559,7 +559,8 @@ POOL_STYLE = {"mean": "-", "first": "--", "random": ":"}
 
 
 def plot_quality(scratch, curves, steps, up):
-    """Left: loss against KV-cache bytes per token. Middle: learning curves. Right: conversion curves."""
+    """Left: loss against KV-cache bytes per token. Middle: the paired gap to MHA along training (does it
+    close with more steps?). Right: conversion curves."""
     seeds = list(scratch)
     fig = mha.new_figure(16, 5)
     left, middle, right = fig.subplots(1, 3)
@@ -570,9 +571,17 @@ def plot_quality(scratch, curves, steps, up):
         left.errorbar([b], [mean], yerr=[s], marker="o", capsize=4, color=COLORS[name], label=name)
         left.scatter([b] * len(losses), losses, s=8, color=COLORS[name], alpha=0.4)
         left.annotate(name, (b, mean), textcoords="offset points", xytext=(8, 4), fontsize=9)
-        marks = sorted(scratch[seeds[0]][name][2])
-        middle.plot(marks, [sum(scratch[s][name][2][k] for s in seeds) / len(seeds) for k in marks],
-                    color=COLORS[name], label=name)
+        if name == "MHA":
+            middle.axhline(0.0, color=COLORS[name], lw=1, label="MHA")
+            continue
+        marks = sorted(k for k in scratch[seeds[0]][name][2] if k > 0)
+        gaps = [[scratch[s][name][2][k] - scratch[s]["MHA"][2][k] for s in seeds] for k in marks]  # paired
+        mean = [sum(g) / len(g) for g in gaps]
+        middle.plot(marks, mean, color=COLORS[name], marker="o", ms=3, label=name)
+        if len(seeds) > 1:
+            sd = [spread(g) for g in gaps]
+            middle.fill_between(marks, [m - d for m, d in zip(mean, sd)], [m + d for m, d in zip(mean, sd)],
+                                color=COLORS[name], alpha=0.12, lw=0)
     left.set_xscale("log", base=2)
     ticks = sorted(cache_bytes_per_token(scratch[seeds[0]][n][0]) for n in CONFIGS)
     left.set_xticks(ticks, [str(t) for t in ticks])
@@ -581,11 +590,9 @@ def plot_quality(scratch, curves, steps, up):
     left.set_ylabel("validation loss (bits/char)")
     left.set_title(f"From scratch, {steps} steps: mean +/- sd over {len(seeds)} seed(s), dots = seeds", fontsize=9)
     middle.set_xlabel("training step")
-    middle.set_ylabel("validation loss (bits/char)")
-    lowest = min(min(run[2].values()) for runs in scratch.values() for run in runs.values())
-    if lowest < 4.0:                                       # the first steps' losses would squash the rest
-        middle.set_ylim(top=4.5)
-    middle.set_title(f"From scratch: learning curves, mean over {len(seeds)} seed(s)", fontsize=9)
+    middle.set_ylabel("validation loss minus MHA's, same seed (bits/char)")
+    middle.set_title(f"From scratch: the gap to MHA along training, mean over {len(seeds)} seed(s), "
+                     "band +/- sd", fontsize=9)
     middle.legend(fontsize=8)
     for name in CONFIGS:
         if name == "MHA":
