@@ -361,23 +361,28 @@ class Progress:
 
 
 # ----------------------------------------------------------------------------- A. from scratch
+def average(values):
+    """The mean over seeds, sum / n: one definition, so every table and panel rounds alike."""
+    return sum(values) / len(values)
+
+
 def spread(values):
     """Standard deviation over seeds (n - 1 in the denominator); None for a single seed."""
     if len(values) < 2:
         return None
-    mean = sum(values) / len(values)
+    mean = average(values)
     return math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1))
 
 
 def pm(values, sign=""):
     """'2.538 +/- 0.034' (mean and spread over seeds), or '2.538' with one seed; sign="+" shows the sign."""
-    mean, s = sum(values) / len(values), spread(values)
+    mean, s = average(values), spread(values)
     return f"{mean:{sign}.3f} +/- {s:.3f}" if s is not None else f"{mean:{sign}.3f}"
 
 
 def verdict(diffs):
     """The paired difference to MHA against its spread over seeds, in words."""
-    mean, s = sum(diffs) / len(diffs), spread(diffs)
+    mean, s = average(diffs), spread(diffs)
     if s is None:
         return "one seed: no spread to judge noise by"
     if abs(mean) <= s:
@@ -402,7 +407,7 @@ def train_from_scratch(name, seed, steps):
     returns its weights and its validation curve."""
     data = WORKER["data"]
     model = fresh_models(len(data.chars), seed)[name]
-    marks = {round(steps * k / 8) for k in range(9)}       # validation along the way, for the learning curves
+    marks = {round(steps * k / 8) for k in range(9)}       # validation along the way, for the gap along training
     curve = train(model, data, data.batches(seed, steps), lr_at, WORKER["report"], f"A {name} seed {seed}",
                   evaluate_at=marks)
     return model.state_dict(), curve
@@ -467,20 +472,17 @@ def print_table_b(curves, scratch, steps, up):
     print(f"   {'config':<7}{'K/V from':<13}{'right after':>12}{f'+{UPTRAIN[0]:.0%}':>8}{f'+{UPTRAIN[1]:.0%}':>8}"
           f"{'from scratch (A)':>18}")
 
-    def mean(xs):
-        return sum(xs) / len(xs)
-
     for (name, pool) in curves[seeds[0]]:
-        cells = "".join(f"{mean([curves[s][name, pool][k] for s in seeds]):>{w}.3f}"
+        cells = "".join(f"{average([curves[s][name, pool][k] for s in seeds]):>{w}.3f}"
                         for k, w in ((0, 12), (up[0], 8), (up[1], 8)))
-        scratch_loss = mean([scratch[s][name][1] for s in seeds])
+        scratch_loss = average([scratch[s][name][1] for s in seeds])
         label = "(trained)" if pool == "none" else pool + (" pool" if pool == "mean" else "")
         print(f"   {name:<7}{label:<13}{cells}{scratch_loss:>18.3f}")
     # Two findings of Ainslie et al. (their Figure 4), checked against the numbers above.
     targets = [n for n in CONFIGS if n != "MHA"]
-    beats = {n: mean([curves[s][n, "mean"][0] for s in seeds]) < mean([curves[s][n, "random"][0] for s in seeds])
+    beats = {n: average([curves[s][n, "mean"][0] for s in seeds]) < average([curves[s][n, "random"][0] for s in seeds])
              for n in targets}
-    gap = mean([curves[s][n, "first"][up[1]] - curves[s][n, "mean"][up[1]] for s in seeds for n in targets])
+    gap = average([curves[s][n, "first"][up[1]] - curves[s][n, "mean"][up[1]] for s in seeds for n in targets])
     print(f"   right after conversion, mean pool beats random K/V for every target: "
           f"{'yes' if all(beats.values()) else 'NO (' + ', '.join(n for n, b in beats.items() if not b) + ')'}")
     print(f"   after +{UPTRAIN[1]:.0%}, mean pool beats first head on average over targets and seeds: "
@@ -567,7 +569,7 @@ def plot_quality(scratch, curves, steps, up):
     for name in CONFIGS:
         b = cache_bytes_per_token(scratch[seeds[0]][name][0])
         losses = [scratch[s][name][1] for s in seeds]
-        mean, s = sum(losses) / len(losses), spread(losses) or 0.0
+        mean, s = average(losses), spread(losses) or 0.0
         left.errorbar([b], [mean], yerr=[s], marker="o", capsize=4, color=COLORS[name], label=name)
         left.scatter([b] * len(losses), losses, s=8, color=COLORS[name], alpha=0.4)
         left.annotate(name, (b, mean), textcoords="offset points", xytext=(8, 4), fontsize=9)
@@ -576,7 +578,7 @@ def plot_quality(scratch, curves, steps, up):
             continue
         marks = sorted(k for k in scratch[seeds[0]][name][2] if k > 0)
         gaps = [[scratch[s][name][2][k] - scratch[s]["MHA"][2][k] for s in seeds] for k in marks]  # paired
-        mean = [sum(g) / len(g) for g in gaps]
+        mean = [average(g) for g in gaps]
         middle.plot(marks, mean, color=COLORS[name], marker="o", ms=3, label=name)
         if len(seeds) > 1:
             sd = [spread(g) for g in gaps]
@@ -601,11 +603,11 @@ def plot_quality(scratch, curves, steps, up):
             pools = POOLS
         for pool in pools:
             marks = sorted(curves[seeds[0]][name, pool])
-            mean = [sum(curves[s][name, pool][k] for s in seeds) / len(seeds) for k in marks]
+            mean = [average([curves[s][name, pool][k] for s in seeds]) for k in marks]
             label = "MHA, not converted" if pool == "none" else f"{name} {pool}"
             right.plot([steps + k for k in marks], mean, color=COLORS[name], ls=POOL_STYLE.get(pool, "-"),
                        marker="o", ms=3, label=label)
-        scratch_mean = sum(scratch[s][name][1] for s in seeds) / len(seeds)
+        scratch_mean = average([scratch[s][name][1] for s in seeds])
         right.axhline(scratch_mean, color=COLORS[name], lw=0.8, alpha=0.6)
     right.set_xlabel(f"training steps (the MHA's {steps}, then further training)")
     right.set_ylabel("validation loss (bits/char)")
@@ -714,13 +716,13 @@ class Workers:
             self.inbox.put((i, fn, task))
         results = {}
         while len(results) < len(tasks):
+            for p in self.processes:                       # checked on every message: the others keep talking
+                if not p.is_alive():
+                    raise ChildProcessError(f"a worker process stopped (exit code {p.exitcode}: killed, or "
+                                            "out of memory?) before its models were trained")
             try:
                 kind, *message = self.outbox.get(timeout=0.5)
             except queue.Empty:
-                for p in self.processes:
-                    if not p.is_alive():
-                        raise ChildProcessError(f"a worker process stopped (exit code {p.exitcode}: killed, or "
-                                                "out of memory?) before its models were trained")
                 continue
             if kind == "step":
                 self.progress.step(*message)
