@@ -7,21 +7,22 @@ What this file shows, top to bottom:
      et al. 2023), where each group of query heads shares one key/value head; 1 is multi-query attention
      (MQA, Shazeer 2019), where all query heads share a single key/value head.
   2. The proof that every reshape is right: with the weights of PyTorch's own nn.MultiheadAttention
-     copied in, CausalMHA gives the same output to the last bit (max difference exactly 0.0), and what
-     it takes to get that last bit.
+     copied in, CausalMHA gives the same output to the last bit (max difference exactly 0.0).
   3. The KV cache in bytes, for a Llama-7B-shaped model and for published models: during generation
      every past token's keys and values are kept, and that cache, not the weights, caps how many users a
      GPU can serve. Sharing K/V heads shrinks it by n_heads / n_kv_heads.
   4. Decoding with a real cache, token by token: a decode step reads the whole cache once, and GQA/MQA
      are faster only if K/V are never copied back to n_heads.
-  5. Decode time against the roofline: a step does g / 2 FLOPs per byte it reads (fp32), so on this CPU
-     MHA waits on memory and MQA on arithmetic; both ceilings are measured in the same run, and the
-     timings check themselves for the signs of a busy machine.
-  6. Figures: per-head attention maps, cache sizes, which query heads share which K/V head, decode time.
+  5. Decode time against the roofline: a step does g / 2 FLOPs per byte it reads (fp32), so a step waits
+     on memory below the machine's ridge and on arithmetic above it. Both ceilings are measured in the
+     same run, the read rate on the very bytes each step reads (a small cache sits in the CPU's caches),
+     and the timings say so when they contradict each other, as they do on a busy machine.
+  6. Figures (after main()): per-head attention maps, cache sizes, which query heads share which K/V
+     head, decode time against the roofline.
 
 What it deliberately does not do: train anything (the weights are random, so the attention maps show
-the causal triangle, not learned roles; quality.py trains small models to measure what GQA costs),
-dropout, padding masks, cross-attention, positional encodings.
+the causal triangle, not learned roles; quality.py trains small models to measure what GQA costs, and
+mla.py shows what comes after GQA), dropout, padding masks, cross-attention, positional encodings.
 
 Run it:   python mha.py                     (a few seconds on a 2-core CPU; writes figures/)
           python mha.py --n-kv-heads 2      (or edit N_KV_HEADS below, and rerun)
@@ -40,17 +41,14 @@ Shapes, one alphabet throughout:
 
 import argparse
 import errno
-import gc
 import io
 import itertools
 import math
 import operator
 import os
-import pickle
 import platform
 import sys
 import time
-import warnings
 from dataclasses import dataclass
 
 import torch
@@ -74,6 +72,8 @@ CACHE_BYTES_PER_ELEM = 2          # bytes per cached number: 2 = fp16/bf16, 1 = 
 GPU_CACHE_GB = 40                 # memory set aside for the cache on one GPU, GB (1 GB = 1e9 bytes)
 DECODE_CONTEXTS = (256, 512, 1024, 2048, 4096, 8192)   # cached tokens at which a decode step is timed
 DECODE_ROUNDS = 5                 # each decode time is the best of this many rounds
+MATMUL_N = 512                    # the FLOP/s ceiling: a (512, 512) @ (512, 512) float32 product
+GPU = ("H100 SXM", 989e12, 3.35e12)  # for comparison, datasheet: dense bf16 FLOP/s, memory bytes/s
 
 # Published shapes: (layers, query heads, K/V heads, head width).
 PUBLISHED_MODELS = {
@@ -88,35 +88,6 @@ PUBLISHED_MODELS = {
 
 
 # ----------------------------------------------------------------------------- the module
-def whole_number(name, value):
-    """value as an int if it is a whole number (int, numpy integer, ...), else TypeError in one sentence.
-
-    whole_number("n", np.int64(4)) == 4; whole_number("n", 4.0), ("n", "4") and ("n", True) raise.
-    """
-    try:
-        if not isinstance(value, bool):
-            return operator.index(value)
-    except TypeError:
-        pass
-    raise TypeError(f"{name} must be a whole number, got {value!r}")
-
-
-def check_heads(d_model, n_heads, n_kv_heads):
-    """The three sizes as ints; TypeError or ValueError, in one sentence naming the value and the rule."""
-    d_model, n_heads, n_kv_heads = (whole_number(name, value) for name, value in
-                                    (("d_model", d_model), ("n_heads", n_heads), ("n_kv_heads", n_kv_heads)))
-    if n_heads < 1:
-        raise ValueError(f"n_heads must be at least 1, got {n_heads}")
-    if d_model < 1 or d_model % n_heads:
-        raise ValueError(f"d_model={d_model} must be a positive multiple of n_heads={n_heads}")
-    if not 1 <= n_kv_heads <= n_heads or n_heads % n_kv_heads:
-        raise ValueError(
-            f"n_kv_heads={n_kv_heads} must be a positive divisor of n_heads={n_heads} "
-            f"(1 = MQA, {n_heads} = MHA, a divisor in between = GQA)"
-        )
-    return d_model, n_heads, n_kv_heads
-
-
 def attention_kind(n_heads, n_kv_heads):
     """'MHA', 'MQA' or 'GQA-<kv>'.  attention_kind(8, 8) == 'MHA'; attention_kind(32, 8) == 'GQA-8'."""
     if n_kv_heads == n_heads:
@@ -161,10 +132,9 @@ def attend(q, k, v, need_weights=False):
     # none, since a single new token sees every key.
     mask = causal_mask(T, S, q.dtype).repeat(g, 1) if T > 1 or need_weights else None
     if need_weights:
-        # The order nn.MultiheadAttention uses when it returns weights: scale q by sqrt(1/dh) first,
-        # then q k^T + mask in one baddbmm. Any other order can change the last bit. baddbmm takes a
-        # mask even at T == 1, where it is all zeros and changes no bit. (Merging B and kv below
-        # copies a cache's k and v: this path is for looking at weights, not for serving.)
+        # nn.MultiheadAttention's order when it returns weights: q scaled by sqrt(1/dh) first, then
+        # q k^T + mask in one baddbmm (another order can change the last bit). This path copies a
+        # cache's k and v when it merges B and kv: it is for looking at weights, not for serving.
         q = q * math.sqrt(1.0 / dh)
         scores = torch.baddbmm(mask, q.reshape(B * kv, g * T, dh),  # (B*kv, g*T, dh)
                                k.reshape(B * kv, S, dh).transpose(1, 2))  # (B*kv, dh, S)
@@ -217,12 +187,13 @@ class CausalMHA(nn.Module):
 
     One input projection makes q, k and v. Its output rows are every query head, then every key head,
     then every value head, dh rows each: with kv == h exactly nn.MultiheadAttention's in_proj_weight.
+    Every public method first checks its arguments (check_* in the plumbing, after main()), so that a
+    mistake ends in one sentence naming the value and the rule, before anything is computed or written.
     """
 
     def __init__(self, d_model, n_heads, n_kv_heads=None, bias=True):
         super().__init__()
-        n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
-        d_model, n_heads, n_kv_heads = check_heads(d_model, n_heads, n_kv_heads)
+        d_model, n_heads, n_kv_heads = check_sizes(d_model, n_heads, n_kv_heads, bias)
         self.d_model, self.n_heads, self.n_kv_heads = d_model, n_heads, n_kv_heads
         self.d_head = d_model // n_heads
         self.in_proj = nn.Linear(d_model, (n_heads + 2 * n_kv_heads) * self.d_head, bias=bias)
@@ -234,15 +205,13 @@ class CausalMHA(nn.Module):
         With a cache, x holds only the new tokens: their keys and values are appended to the cache and
         they attend to everything cached before them and to each other, causally.
         """
-        B, T = self._check_input(x, cache)
+        B, T = check_call(self, x, need_weights, cache)
         h, kv, dh = self.n_heads, self.n_kv_heads, self.d_head
-        # The textbook form projects batch-major and splits the heads off:
-        #     q = q.view(B, T, h, dh).transpose(1, 2)      # (B, T, d) -> (B, T, h, dh) -> (B, h, T, dh)
-        # Below is the same layout reached from time-major, (T, B, d), only because nn.MultiheadAttention
-        # projects that way: through the transposed view nn.Linear multiplies, then adds the bias; on a
-        # contiguous input it folds the bias into the multiply (addmm), a different rounding. Writing
-        # self.in_proj(x).transpose(0, 1) puts the same numbers in the same places, and yet the MHA
-        # check then reads a few units in the last place (2.38e-07 with AVX2): this transpose is the last bit.
+        # The textbook form projects x as it is and splits the heads off:
+        #     q = q.view(B, T, h, dh).transpose(1, 2)      # (B, T, h, dh) -> (B, h, T, dh)
+        # We project time-major, (T, B, d), as nn.MultiheadAttention does. The same numbers land in the
+        # same places, but on some CPUs the two layouts round differently in the last bit (README,
+        # "Identical to the bit"); this way the check against PyTorch is exact on every CPU.
         qkv = self.in_proj(x.transpose(0, 1))              # (T, B, (h + 2kv) dh)
         q, k, v = qkv.split([h * dh, kv * dh, kv * dh], dim=-1)
         q = q.view(T, B, h, dh).permute(1, 2, 0, 3)        # (T, B, h, dh) -> (B, h, T, dh)
@@ -251,53 +220,13 @@ class CausalMHA(nn.Module):
         if cache is not None:
             k, v = cache.append(k, v)                      # (B, kv, S, dh), S = cached + T
         o, p = attend(q, k, v, need_weights)               # (B, h, T, dh)
-        o = o.permute(2, 0, 1, 3).reshape(T * B, h * dh)   # (T*B, d): heads side by side again
-        y = self.out_proj(o).view(T, B, -1).transpose(0, 1)  # (B, T, d)
+        o = o.permute(2, 0, 1, 3).reshape(T * B, h * dh)   # (B, h, T, dh) -> (T*B, d): heads side by side
+        y = self.out_proj(o).view(T, B, -1).transpose(0, 1)  # (T*B, d) -> (B, T, d)
         return (y, p) if need_weights else y
-
-    def _check_input(self, x, cache):
-        """Raise an error in one sentence, naming what was given and what is needed, before anything
-        is computed or written."""
-        if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[-1] != self.d_model:
-            got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
-            raise ValueError(f"x must have shape (B, T, {self.d_model}), got {got}")
-        B, T = x.shape[0], x.shape[1]
-        if T < 1 or B < 1:
-            raise ValueError(f"x must hold at least one token of one sequence, got shape {tuple(x.shape)}")
-        dtype = self.in_proj.weight.dtype
-        if x.dtype != dtype:
-            raise ValueError(f"x is {x.dtype} but this module computes in {dtype}; convert one to the other")
-        if cache is not None:
-            self._check_cache(cache, B, T, x)
-        return B, T
-
-    def _check_cache(self, cache, B, T, x):
-        """The cache must fit this call and have room for T more tokens; else one sentence, nothing written."""
-        if torch.is_grad_enabled() and (x.requires_grad or self.in_proj.weight.requires_grad):
-            raise RuntimeError("decoding with a cache writes it in place, which autograd cannot follow: call "
-                               "the module under torch.no_grad() or torch.inference_mode()")
-        dtype, tensors = self.in_proj.weight.dtype, {"K": cache.k, "V": cache.v}
-        for name, t in tensors.items():
-            if not isinstance(t, torch.Tensor):
-                raise TypeError(f"the cache's {name} must be a tensor, got {type(t).__name__}")
-        want = (B, self.n_kv_heads, cache.k.shape[2] if cache.k.dim() == 4 else "max_len", self.d_head)
-        for name, t in tensors.items():
-            if tuple(t.shape) != want or t.dtype != dtype:
-                raise ValueError(f"the cache holds {name} of shape {tuple(t.shape)} in {t.dtype}, "
-                                 f"this call needs {want} in {dtype}")
-        if overlap(cache.k, cache.v):
-            raise ValueError("the cache's K and V share memory, so writing V would overwrite K: give each "
-                             "its own tensor")
-        cache.length = whole_number("cache.length", cache.length)
-        if not 0 <= cache.length <= cache.k.shape[2] - T:
-            raise ValueError(f"the cache holds {cache.length} of at most {cache.k.shape[2]} tokens "
-                             f"and cannot take {T} more")
 
     def new_cache(self, batch, max_len):
         """An empty KVCache for `batch` sequences of up to `max_len` tokens, in this module's dtype."""
-        batch, max_len = whole_number("batch", batch), whole_number("max_len", max_len)
-        if batch < 1 or max_len < 1:
-            raise ValueError(f"a cache needs batch >= 1 and max_len >= 1, got batch={batch}, max_len={max_len}")
+        batch, max_len = check_cache_size(batch, max_len)
         shape = (batch, self.n_kv_heads, max_len, self.d_head)      # (B, kv, max_len, dh)
         dtype = self.in_proj.weight.dtype
         return KVCache(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype))
@@ -305,14 +234,7 @@ class CausalMHA(nn.Module):
     @classmethod
     def from_torch(cls, ref):
         """A CausalMHA (MHA) with the weights of an nn.MultiheadAttention(d, h, batch_first=True)."""
-        if not isinstance(ref, nn.MultiheadAttention):
-            raise TypeError(f"from_torch copies an nn.MultiheadAttention, got {type(ref).__name__}")
-        same_dims = ref.kdim == ref.vdim == ref.embed_dim
-        if not (ref.batch_first and same_dims and ref.bias_k is None and not ref.add_zero_attn):
-            raise ValueError("from_torch copies only nn.MultiheadAttention(d, h, batch_first=True) "
-                             "without kdim, vdim, add_bias_kv or add_zero_attn")
-        if ref.dropout:
-            raise ValueError(f"from_torch needs dropout=0.0 (CausalMHA has no dropout), got {ref.dropout}")
+        check_copyable(ref)
         has_bias = ref.in_proj_bias is not None
         attn = cls(ref.embed_dim, ref.num_heads, bias=has_bias).to(ref.in_proj_weight.dtype)
         with torch.no_grad():
@@ -359,19 +281,15 @@ class CausalMHA(nn.Module):
             4 K/V heads to 2, mean:   [k0, k1 | k2, k3] -> [(k0 + k1) / 2, (k2 + k3) / 2]
         A converted model needs some further training ("uptraining") to recover its quality.
         """
+        new_kv = check_to_gqa(self, n_kv_heads, pool)
         kv, h, dh = self.n_kv_heads, self.n_heads, self.d_head
-        new_kv = whole_number("n_kv_heads", n_kv_heads)
-        if new_kv < 1 or kv % new_kv:
-            raise ValueError(f"n_kv_heads={new_kv} must be a positive divisor of this module's {kv} K/V heads")
-        if pool not in ("mean", "first"):
-            raise ValueError(f"pool={pool!r} must be 'mean' or 'first'")
         r = kv // new_kv
 
         def pool_heads(t):                                 # rows of r*new_kv heads -> rows of new_kv heads
-            t = t.unflatten(0, (new_kv, r, dh))            # (new_kv, r, dh, ...)
+            t = t.unflatten(0, (new_kv, r, dh))            # (new_kv*r*dh, ...) -> (new_kv, r, dh, ...)
             first = t[:, 0]                                # (new_kv, dh, ...)
             if pool == "first":
-                return first.flatten(0, 1)
+                return first.flatten(0, 1)                 # (new_kv*dh, ...)
             # first + mean of the differences to it: the mean, and exactly the shared value when a
             # group's heads are equal (a plain mean of three equal floats can round).
             return (first + (t - first.unsqueeze(1)).mean(1)).flatten(0, 1)   # (new_kv*dh, ...)
@@ -415,11 +333,11 @@ def max_diff_vs_sdpa(attn, x):
     h, kv, dh = attn.n_heads, attn.n_kv_heads, attn.d_head
     with torch.no_grad():
         q, k, v = attn.in_proj(x).split([h * dh, kv * dh, kv * dh], dim=-1)
-        q = q.view(B, T, h, dh).transpose(1, 2)            # (B, h, T, dh)
-        k = k.view(B, T, kv, dh).transpose(1, 2)           # (B, kv, T, dh)
-        v = v.view(B, T, kv, dh).transpose(1, 2)           # (B, kv, T, dh)
+        q = q.view(B, T, h, dh).transpose(1, 2)            # (B, T, h, dh) -> (B, h, T, dh)
+        k = k.view(B, T, kv, dh).transpose(1, 2)           # (B, T, kv, dh) -> (B, kv, T, dh)
+        v = v.view(B, T, kv, dh).transpose(1, 2)           # (B, T, kv, dh) -> (B, kv, T, dh)
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)  # (B, h, T, dh)
-        y_ref = attn.out_proj(o.transpose(1, 2).reshape(B, T, h * dh))  # (B, T, d)
+        y_ref = attn.out_proj(o.transpose(1, 2).reshape(B, T, h * dh))  # (B, h, T, dh) -> (B, T, d)
         return (attn(x) - y_ref).abs().max().item()
 
 
@@ -430,9 +348,9 @@ def swap_query_heads(attn, i, j):
     nothing, since the heads are summed in the end. Swapping them in one place only pairs head i's
     queries with head j's keys: the kind of mistake a wrong reshape makes.
     """
-    dh = attn.d_head
     if not (0 <= i < attn.n_heads and 0 <= j < attn.n_heads):
         raise ValueError(f"query heads {i} and {j} must both lie in 0 .. {attn.n_heads - 1}")
+    dh = attn.d_head
     with torch.no_grad():
         for t in (attn.in_proj.weight, attn.in_proj.bias):
             if t is not None:
@@ -462,12 +380,17 @@ def random_biases(module, seed):
     return module
 
 
+def demo_reference(seed):
+    """The nn.MultiheadAttention the checks copy (random biases) and the input x: (B, T, d) they run on."""
+    torch.manual_seed(seed)
+    ref = random_biases(nn.MultiheadAttention(D_MODEL, N_HEADS, batch_first=True).eval(), seed + 1)
+    return ref, torch.randn(BATCH, SEQ_LEN, D_MODEL)
+
+
 def run_checks(n_kv_heads, seed):
     """The evidence that the module is right. Returns True if every check passes."""
     print(f"1. Checks against PyTorch (float32, B={BATCH}, T={SEQ_LEN}, d={D_MODEL}, h={N_HEADS})")
-    torch.manual_seed(seed)
-    ref = random_biases(nn.MultiheadAttention(D_MODEL, N_HEADS, batch_first=True).eval(), seed + 1)
-    x = torch.randn(BATCH, SEQ_LEN, D_MODEL)
+    ref, x = demo_reference(seed)
     copy = CausalMHA.from_torch(ref)
     y_diff, _ = max_diff_vs_torch(copy, x, ref)
     ok = report("MHA   max |ours - nn.MultiheadAttention|", y_diff, 0.0)
@@ -523,8 +446,11 @@ def print_cache_table(n_kv_heads):
     print(f"   GB = 1e9 bytes: MHA's {mha_bytes:,} bytes are {gb(mha_bytes):.2f} GB but {mha_bytes / 2**30:.2f} GiB")
     g = N_HEADS // n_kv_heads                              # query heads per K/V head in the demo
     same_g = LLAMA_HEADS // g if LLAMA_HEADS % g == 0 else None
+    rows = set(LLAMA_KV_HEADS)
+    if same_g is not None:
+        rows.add(same_g)
     print(f"   {'config':<8}{'n_kv_heads':>11}{'KV cache':>11}{'shrink':>8}")
-    for kv in sorted(set(LLAMA_KV_HEADS) | {same_g} - {None}, reverse=True):
+    for kv in sorted(rows, reverse=True):
         n = llama_cache_bytes(kv)
         note = f"   <- g = {g} query heads per K/V head, as in your demo" if kv == same_g else ""
         print(f"   {attention_kind(LLAMA_HEADS, kv):<8}{kv:>11}{gb(n):>8.2f} GB{mha_bytes // n:>7}x{note}")
@@ -593,11 +519,8 @@ def relative_diff(a, b):
 # has two ceilings, the bytes per second it reads and the FLOPs per second it computes, so
 #     least time of a step = max(bytes / bandwidth, FLOPs / peak FLOP/s)        (the roofline)
 # Below the ridge, peak / bandwidth FLOPs per byte, the bytes decide (memory-bound); above it, the FLOPs.
-READ_BUFFER_BYTES = 256 * 2**20    # the bandwidth is read off at least this much: far beyond any CPU cache
-MATMUL_N = 512                     # the FLOP/s ceiling: a (512, 512) @ (512, 512) float32 product
-GPU = ("H100 SXM", 989e12, 3.35e12)  # for comparison, datasheet: dense bf16 FLOP/s, memory bytes/s
-
-
+# How fast bytes can be read depends on where they lie: a few MB stay in the CPU's caches, hundreds of
+# MB come from memory. So each step's read ceiling is measured on its own K and V.
 def decode_flops(n_heads, d_head, S):
     """FLOPs of one new token's attention over S keys: 4 h S dh.  decode_flops(32, 128, 4096) == 67108864"""
     return 4 * n_heads * S * d_head
@@ -629,66 +552,95 @@ def roofline(flops, n_bytes, ceilings):
     return (memory, "memory") if memory >= compute else (compute, "compute")
 
 
-def decode_roofline(kv, S, ceilings):
-    """roofline() of one decode step of the Llama-shaped layer with kv K/V heads over S cached tokens."""
-    return roofline(decode_flops(LLAMA_HEADS, LLAMA_D_HEAD, S), decode_bytes(kv, LLAMA_D_HEAD, S), ceilings)
+@dataclass
+class DecodeTiming:
+    """What measure_decode saw. steps and reads: {kv: [seconds, one per context]}, the best round of a
+    decode step and of one read of the same K and V; flops: a float32 matmul's FLOP/s; scatter: how far a
+    typical measurement's median round lies above its best (near 1 on a quiet machine)."""
+    contexts: tuple
+    steps: dict
+    reads: dict
+    flops: float
+    rounds: int = 1
+    scatter: float = 1.0
+
+    def ceilings(self, kv, S):
+        """The step's two ceilings: the rate at which its own K and V were read, and the matmul's FLOP/s."""
+        seconds = self.reads[kv][self.contexts.index(S)]
+        return Ceilings(bandwidth=decode_bytes(kv, LLAMA_D_HEAD, S) / seconds, flops=self.flops)
+
+    def floor(self, kv, S):
+        """roofline() of the step with kv K/V heads over S cached tokens: (least seconds, bound)."""
+        flops, n_bytes = decode_flops(LLAMA_HEADS, LLAMA_D_HEAD, S), decode_bytes(kv, LLAMA_D_HEAD, S)
+        return roofline(flops, n_bytes, self.ceilings(kv, S))
+
+    def memory(self):
+        """The ceilings of the largest K and V (the most K/V heads, the longest context): read from memory."""
+        return self.ceilings(max(self.steps), max(self.contexts))
 
 
 def measure_decode(contexts=DECODE_CONTEXTS, kv_heads=LLAMA_KV_HEADS, rounds=DECODE_ROUNDS):
-    """Seconds per decode step of one layer's attention, {kv: [one per context]}, and this machine's Ceilings.
+    """Time one decode step of one layer's attention for every K/V head count and context: a DecodeTiming.
 
-    Every configuration's K and V lie in their own part of one buffer of at least READ_BUFFER_BYTES, as
-    a server preallocates them (their contents do not change the time). Each round times a read of the
-    buffer's end, one matrix multiply, and then every step, longest context first: what a step reads
-    has left the CPU's caches by the time it comes round again, as in a model whose other layers'
-    caches pass through in between. Each measurement keeps its best round (so the first, which warms
-    up, rarely counts), and since every round visits all of them, a moment of load from elsewhere cannot
-    land on one alone.
+    Every configuration's K and V lie side by side in one buffer, as a server preallocates them (their
+    contents do not change the time). A round times one matrix multiply, then, longest context first,
+    each step and right after it a read of the same K and V. The step finds its bytes where the steps
+    before left them; the read finds them as near as they can be, so its rate is a ceiling the step
+    cannot beat. Every round visits every measurement, so a moment of load from elsewhere cannot land
+    on one alone, and each keeps its best round (the first, which warms up, rarely counts).
     """
+    contexts = tuple(sorted(set(contexts)))
     h, dh, s_max = LLAMA_HEADS, LLAMA_D_HEAD, max(contexts)
-    sizes = [2 * kv * s_max * dh for kv in kv_heads]       # numbers in each configuration's K and V
-    pool = torch.full((max(sum(sizes), READ_BUFFER_BYTES // 4),), 0.01)   # float32, written: in memory
-    read = pool[-(READ_BUFFER_BYTES // 4):]
-    a, b = torch.randn(MATMUL_N, MATMUL_N), torch.randn(MATMUL_N, MATMUL_N)
-    q = torch.randn(1, h, 1, dh)                           # (B, h, 1, dh): one new token
-    jobs, start = {"read": read.sum, "matmul": lambda: a @ b}, 0
-    for kv, n in zip(kv_heads, sizes):
-        k, v = pool[start:start + n].view(2, 1, kv, s_max, dh)   # (B, kv, s_max, dh) each
+    pool = torch.full((sum(2 * kv * s_max * dh for kv in kv_heads),), 0.01)   # float32, written: in memory
+    pairs, start = {}, 0
+    for kv in kv_heads:
+        n = 2 * kv * s_max * dh
+        pairs[kv] = pool[start:start + n].view(2, 1, kv, s_max, dh)   # K and V: (2, B, kv, s_max, dh)
         start += n
-        for S in contexts:
-            jobs[kv, S] = lambda k=k[:, :, :S], v=v[:, :, :S]: attend(q, k, v)   # (B, kv, S, dh)
-    order = ["read", "matmul"] + [(kv, S) for S in sorted(contexts, reverse=True) for kv in kv_heads]
-    best = dict.fromkeys(jobs, float("inf"))
+    q = torch.randn(1, h, 1, dh)                           # (B, h, 1, dh): one new token
+    a, b = torch.randn(MATMUL_N, MATMUL_N), torch.randn(MATMUL_N, MATMUL_N)
+    jobs = {"matmul": (torch.mm, a, b)}                    # key: (function, its arguments), in round order
+    for S in reversed(contexts):
+        for kv in kv_heads:
+            k, v = pairs[kv][:, :, :, :S]                  # (B, kv, S, dh) each
+            jobs["step", kv, S] = (attend, q, k, v)
+            jobs["read", kv, S] = (torch.sum, pairs[kv][:, :, :, :S])   # the same bytes, (2, B, kv, S, dh)
+    seconds = {key: [] for key in jobs}
     with torch.no_grad():
         for _ in range(rounds):
-            for key in order:
+            for key, (fn, *args) in jobs.items():
                 t0 = time.perf_counter()
-                jobs[key]()
-                best[key] = min(best[key], time.perf_counter() - t0)
-    ceilings = Ceilings(bandwidth=read.nbytes / best["read"], flops=2 * MATMUL_N**3 / best["matmul"])
-    return {kv: [best[kv, S] for S in contexts] for kv in kv_heads}, ceilings
+                fn(*args)
+                seconds[key].append(time.perf_counter() - t0)
+    best = {key: min(s) for key, s in seconds.items()}
+    scatter = sorted(sorted(s)[len(s) // 2] / min(s) for s in seconds.values())[len(seconds) // 2]
+    return DecodeTiming(contexts, steps={kv: [best["step", kv, S] for S in contexts] for kv in kv_heads},
+                        reads={kv: [best["read", kv, S] for S in contexts] for kv in kv_heads},
+                        flops=2 * MATMUL_N**3 / best["matmul"], rounds=rounds, scatter=scatter)
 
 
-def timing_contradictions(times, ceilings, contexts=DECODE_CONTEXTS, slack=0.1):
+def timing_contradictions(timing, slack=0.1, scatter=1.5):
     """What in the measurements cannot be true of a quiet machine; [] when they hold together.
 
-    A step more than `slack` faster than its roofline floor, or, from 1024 cached tokens on, a step more
-    than `slack` slower than the same step with more K/V heads (more bytes, the same FLOPs), means that
-    something else ran while it was timed: the ceilings or the steps were measured slow.
+    A step more than `slack` faster than its roofline floor; from 1024 cached tokens on, a step more than
+    `slack` slower than the same step with more K/V heads (more bytes, the same FLOPs); or rounds whose
+    typical median lies `scatter` times above their best: something else ran while they were timed.
     """
     problems = []
-    for kv, row in times.items():
-        for S, t in zip(contexts, row):
-            floor, _ = decode_roofline(kv, S, ceilings)
+    for kv, row in timing.steps.items():
+        for S, t in zip(timing.contexts, row):
+            floor, _ = timing.floor(kv, S)
             if t < (1 - slack) * floor:
                 problems.append(f"{attention_kind(LLAMA_HEADS, kv)} at {S} tokens is {1 - t / floor:.0%} "
                                 "below its floor")
-    ordered = sorted(times, reverse=True)
-    for i, S in enumerate(contexts):
+    ordered = sorted(timing.steps, reverse=True)
+    for i, S in enumerate(timing.contexts):
         for more, fewer in itertools.pairwise(ordered):
-            if S >= 1024 and times[fewer][i] > (1 + slack) * times[more][i]:
+            if S >= 1024 and timing.steps[fewer][i] > (1 + slack) * timing.steps[more][i]:
                 problems.append(f"{attention_kind(LLAMA_HEADS, fewer)} is slower than "
                                 f"{attention_kind(LLAMA_HEADS, more)} at {S} tokens")
+    if timing.scatter > scatter:
+        problems.append(f"the rounds scatter, a typical median round is {timing.scatter:.1f}x the best")
     return problems
 
 
@@ -704,14 +656,21 @@ def machine_name():
     return f"{name}, {threads} thread{'s' if threads > 1 else ''}, {torch.backends.cpu.get_cpu_capability()}"
 
 
-def print_decode_table(times, ceilings, problems, contexts=DECODE_CONTEXTS):
-    h, dh, s_max, kinds = LLAMA_HEADS, LLAMA_D_HEAD, max(contexts), list(times)
-    mha_times = times[h]
+def print_decode_table(timing, problems):
+    h, dh, contexts, kinds = LLAMA_HEADS, LLAMA_D_HEAD, timing.contexts, list(timing.steps)
+    s_max, i_max = max(contexts), len(contexts) - 1
+    rates = {(kv, S): timing.ceilings(kv, S).bandwidth for kv in kinds for S in contexts}
+    fastest = max(rates, key=rates.get)
+    memory = timing.memory()
     print(f"\n5. Decode step: one layer's attention over its cache ({h} query heads, dh={dh}, fp32), "
-          f"best of {DECODE_ROUNDS}")
-    print(f"   on {machine_name()}; its two ceilings, measured in the same rounds:")
-    print(f"   read {ceilings.bandwidth / 1e9:.1f} GB/s, float32 matmul {ceilings.flops / 1e9:.0f} GFLOP/s: "
-          f"the ridge is at {ceilings.ridge:.1f} FLOPs per byte")
+          f"best of {timing.rounds}")
+    print(f"   on {machine_name()}. The ceilings, measured in the same rounds:")
+    print(f"   float32 matmul   {timing.flops / 1e9:.0f} GFLOP/s")
+    print(f"   reading K and V  {memory.bandwidth / 1e9:.1f} GB/s for {attention_kind(h, max(kinds))}'s "
+          f"{decode_bytes(max(kinds), dh, s_max) / 1e6:,.0f} MB at {s_max} tokens, from memory;")
+    print(f"                    up to {rates[fastest] / 1e9:.0f} GB/s for {attention_kind(h, fastest[0])}'s "
+          f"{decode_bytes(fastest[0], dh, fastest[1]) / 1e6:,.1f} MB at {fastest[1]} tokens, from the CPU's caches")
+    print(f"   From memory, the ridge is at {memory.ridge:.1f} FLOPs per byte.")
     print("   A step does 4 h S dh FLOPs on 2 kv S dh numbers of 4 bytes: g / 2 FLOPs per byte.")
     print("   floor = max(bytes / read, FLOPs / matmul), the least time a step can take; at "
           f"{s_max} tokens, in ms:")
@@ -719,72 +678,72 @@ def print_decode_table(times, ceilings, problems, contexts=DECODE_CONTEXTS):
           f"{'measured':>10}{'reaches':>9}")
     for kv in kinds:
         n_bytes, n_flops = decode_bytes(kv, dh, s_max), decode_flops(h, dh, s_max)
-        floor, bound = decode_roofline(kv, s_max, ceilings)
-        t = times[kv][list(contexts).index(s_max)]
+        ceilings = timing.ceilings(kv, s_max)
+        floor, bound = timing.floor(kv, s_max)
+        t = timing.steps[kv][i_max]
         print(f"   {attention_kind(h, kv):<7}{n_flops / n_bytes:>10.1f}  {bound:<8}"
               f"{n_bytes / ceilings.bandwidth * 1e3:>11.3f}{n_flops / ceilings.flops * 1e3:>10.3f}"
               f"{floor * 1e3:>8.3f}{t * 1e3:>10.3f}{floor / t:>9.0%}")
     print("   ms per step at every context; roof: the share of its floor it reaches; and the speed-up over MHA:")
     print(f"   {'context':>7}" + "".join(f" |{attention_kind(h, kv):>8}{'roof':>5}{'vs MHA':>7}" for kv in kinds))
     for i, S in enumerate(contexts):
-        cells = "".join(f" |{times[kv][i] * 1e3:>8.3f}{decode_roofline(kv, S, ceilings)[0] / times[kv][i]:>5.0%}"
-                        f"{mha_times[i] / times[kv][i]:>6.1f}x" for kv in kinds)
+        cells = ""
+        for kv in kinds:
+            t = timing.steps[kv][i]
+            cells += f" |{t * 1e3:>8.3f}{timing.floor(kv, S)[0] / t:>5.0%}{timing.steps[h][i] / t:>6.1f}x"
         print(f"   {S:>7}{cells}")
     if problems:
         more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
         print(f"   NOT TRUSTWORTHY, the machine was busy while timing: {problems[0]}{more}")
         return
-    print("   " + decode_lesson(times, ceilings, contexts))
+    print("   " + decode_lesson(timing))
 
 
-def decode_lesson(times, ceilings, contexts=DECODE_CONTEXTS):
-    """What the measurements say, in two sentences made from them."""
-    h, i = LLAMA_HEADS, list(contexts).index(max(contexts))
-    bounds = {kv: decode_roofline(kv, contexts[i], ceilings)[1] for kv in times}
-    memory = [attention_kind(h, kv) for kv in times if bounds[kv] == "memory"]
-    compute = [attention_kind(h, kv) for kv in times if bounds[kv] == "compute"]
-    fewest = min(times)
-    speedup = times[h][i] / times[fewest][i]
+def decode_lesson(timing):
+    """What the measurements say, in sentences made from them."""
+    h, S = LLAMA_HEADS, max(timing.contexts)
+    bounds = {kv: timing.floor(kv, S)[1] for kv in timing.steps}
+    memory = [attention_kind(h, kv) for kv in timing.steps if bounds[kv] == "memory"]
+    compute = [attention_kind(h, kv) for kv in timing.steps if bounds[kv] == "compute"]
+    fewest = min(timing.steps)
+    speedup = timing.steps[h][-1] / timing.steps[fewest][-1]
     text = f"Memory-bound here: {', '.join(memory) or 'none'}; compute-bound: {', '.join(compute) or 'none'}."
     text += (f"\n   {attention_kind(h, fewest)} reads {h // fewest}x fewer bytes than MHA for the same FLOPs, and "
-             f"at {contexts[i]} tokens it is {speedup:.1f}x faster")
+             f"at {S} tokens it is {speedup:.1f}x faster")
     gpu_name, gpu_flops, gpu_bandwidth = GPU
-    gpu_compute = [attention_kind(h, kv) for kv in times if h / kv > gpu_flops / gpu_bandwidth]   # bf16: g per byte
+    gpu_compute = [attention_kind(h, kv) for kv in timing.steps if h / kv > gpu_flops / gpu_bandwidth]   # bf16: g
     text += (f".\n   An {gpu_name} has its ridge at {gpu_flops / gpu_bandwidth:.0f} FLOPs per byte, a bf16 step does g: "
              f"{'compute-bound there: ' + ', '.join(gpu_compute) if gpu_compute else 'all are memory-bound there'}.")
     return text
 
 
+# ----------------------------------------------------------------------------- main
+def main(argv=None):
+    args = parse_args(argv)        # a bad flag, knob or --out-dir ends here, in one line (exit code 2)
+    kv = args.n_kv_heads
+    print(f"Causal attention, d={D_MODEL}, dh={D_MODEL // N_HEADS}, {N_HEADS} query heads reading {kv} K/V "
+          f"head{'s' if kv > 1 else ''}: {attention_kind(N_HEADS, kv)}, groups of {N_HEADS // kv}\n")
+    ok = run_checks(kv, args.seed)
+    print_cache_table(kv)
+    print_published_table()
+    ok &= check_cache(kv, args.seed)
+    timing = measure_decode(DECODE_CONTEXTS, LLAMA_KV_HEADS, DECODE_ROUNDS)
+    problems = timing_contradictions(timing)
+    print_decode_table(timing, problems)
+
+    figures = {"attention_maps.png": plot_attention_maps(kv, args.seed),
+               "kv_cache_size.png": plot_cache_sizes(),
+               "head_layout.png": plot_head_layout(kv),
+               "decode_time.png": plot_decode_time(timing, problems)}
+    if not write_figures("mha.py", args.out_dir, {name: png_bytes(fig) for name, fig in figures.items()}):
+        return 1
+    print(f"\nFigures written to {shown_path(args.out_dir)}: {', '.join(figures)}")
+    print(f"Now change N_KV_HEADS (or pass --n-kv-heads) and run again. All checks: {'OK' if ok else 'FAIL'}")
+    return 0 if ok else 1
+
+
 # ----------------------------------------------------------------------------- figures
-FIGURES = ["attention_maps.png", "kv_cache_size.png", "head_layout.png", "decode_time.png"]
 COLORS = ["tab:red", "tab:orange", "tab:green", "tab:blue", "tab:purple", "tab:brown", "tab:pink"]
-
-
-def tokens_label(n):
-    """tokens_label(8192) == '8k' (multiples of 1024); tokens_label(512) == '512'; tokens_label(5000) == '5,000'."""
-    return f"{n // 1024}k" if n >= 1024 and n % 1024 == 0 else f"{n:,}"
-
-
-def log_axes(ax, xticks, yticks, xlabel=tokens_label):
-    """Log-log axes with ticks at fixed places, in plain text (matplotlib's math text costs 0.25 s a figure)."""
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    ax.set_xticks(xticks, [xlabel(t) for t in xticks])
-    ax.set_yticks(yticks, [f"{t:g}" for t in yticks])
-    ax.minorticks_off()
-
-
-def new_figure(width, height):
-    """A matplotlib Figure on the Agg canvas: no display, no global pyplot state."""
-    from matplotlib.figure import Figure
-    return Figure(figsize=(width, height))
-
-
-def png_bytes(fig):
-    """The figure as PNG bytes. Agg's PNG holds no date, only matplotlib's version: same code, same bytes."""
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=100)
-    return buf.getvalue()
 
 
 def plot_attention_maps(n_kv_heads, seed):
@@ -879,42 +838,53 @@ def plot_head_layout(n_kv_heads):
     return fig
 
 
-def plot_decode_time(times, ceilings, problems, contexts=DECODE_CONTEXTS):
-    """Left: measured decode time against context, roofline floor dashed. Right: the roofline itself."""
-    h, dh, i_max = LLAMA_HEADS, LLAMA_D_HEAD, list(contexts).index(max(contexts))
-    fig = new_figure(13, 5.2)
-    left, right = fig.subplots(1, 2)
-    fig.subplots_adjust(left=0.06, right=0.98, bottom=0.11, top=0.8, wspace=0.22)
-    for (kv, row), color in zip(times.items(), COLORS):
+def plot_decode_time(timing, problems):
+    """Left: decode time against context, roofline floors dashed. Middle: the read rate against the bytes
+    read, the CPU's caches at the left. Right: the roofline from memory, with the steps at the longest context."""
+    h, dh, contexts, s_max = LLAMA_HEADS, LLAMA_D_HEAD, timing.contexts, max(timing.contexts)
+    fig = new_figure(17, 5.4)
+    left, middle, right = fig.subplots(1, 3)
+    fig.subplots_adjust(left=0.05, right=0.99, bottom=0.11, top=0.8, wspace=0.25)
+    for (kv, row), color in zip(timing.steps.items(), COLORS):
         kind = attention_kind(h, kv)
         left.plot(contexts, [t * 1e3 for t in row], marker="o", color=color, label=f"{kind} measured")
-        left.plot(contexts, [decode_roofline(kv, S, ceilings)[0] * 1e3 for S in contexts], ls="--", color=color,
-                  lw=1, label=f"{kind} roofline floor")
+        left.plot(contexts, [timing.floor(kv, S)[0] * 1e3 for S in contexts], ls="--", color=color, lw=1,
+                  label=f"{kind} roofline floor")
+        middle.plot([decode_bytes(kv, dh, S) / 1e6 for S in contexts],
+                    [timing.ceilings(kv, S).bandwidth / 1e9 for S in contexts], marker="o", color=color, label=kind)
     log_axes(left, contexts, [0.01, 0.1, 1, 10, 100])
     left.set_xlabel("cached context S (tokens)")
     left.set_ylabel("time per decode step (ms)")
     left.set_title("measured, and the least time the two ceilings allow", fontsize=10)
     left.legend(fontsize=7, ncol=2)
+    middle.set_xscale("log")
+    middle.set_xlabel("K and V read by one step (MB)")
+    middle.set_ylabel("read rate of those very bytes (GB/s)")
+    middle.set_title("small caches are read from the CPU's caches, large ones from memory", fontsize=10)
+    middle.legend(fontsize=8)
 
-    intensity = sorted([2 ** e for e in range(-3, 11)] + [ceilings.ridge])   # FLOPs per byte, 1/8 .. 1024
-    right.plot(intensity, [min(ceilings.flops, ceilings.bandwidth * x) / 1e9 for x in intensity], color="black",
-               label=f"this CPU: {ceilings.bandwidth / 1e9:.0f} GB/s, {ceilings.flops / 1e9:.0f} GFLOP/s")
-    right.axvline(ceilings.ridge, color="black", ls=":", lw=1)
-    right.text(ceilings.ridge * 1.1, ceilings.flops / 1e9 * 3, f"ridge {ceilings.ridge:.1f} FLOPs/byte", fontsize=8)
-    right.text(ceilings.ridge / 1.3, ceilings.flops / 1e9 * 1.4, "memory-bound", fontsize=8, color="gray", ha="right")
-    right.text(ceilings.ridge * 1.3, ceilings.flops / 1e9 * 1.4, "compute-bound", fontsize=8, color="gray")
+    memory, fastest = timing.memory(), max(timing.ceilings(kv, S).bandwidth for kv in timing.steps for S in contexts)
+    intensity = sorted([2 ** e for e in range(-3, 11)] + [memory.ridge])   # FLOPs per byte, 1/8 .. 1024
+    right.plot(intensity, [min(memory.flops, memory.bandwidth * x) / 1e9 for x in intensity], color="black",
+               label=f"from memory: {memory.bandwidth / 1e9:.0f} GB/s, {memory.flops / 1e9:.0f} GFLOP/s")
+    right.plot(intensity, [min(memory.flops, fastest * x) / 1e9 for x in intensity], color="black", ls=":",
+               label=f"from the CPU's caches: up to {fastest / 1e9:.0f} GB/s")
+    right.axvline(memory.ridge, color="black", ls=":", lw=1)
+    right.text(memory.ridge * 1.1, memory.flops / 1e9 * 3, f"ridge {memory.ridge:.1f} FLOPs/byte", fontsize=8)
+    right.text(memory.ridge / 1.3, memory.flops / 1e9 * 1.4, "memory-bound", fontsize=8, color="gray", ha="right")
+    right.text(memory.ridge * 1.3, memory.flops / 1e9 * 1.4, "compute-bound", fontsize=8, color="gray")
     gpu_name, gpu_flops, gpu_bandwidth = GPU
     right.axvline(gpu_flops / gpu_bandwidth, color="gray", ls="--", lw=1,
                   label=f"{gpu_name} ridge: {gpu_flops / 1e12:.0f} TFLOP/s bf16 / {gpu_bandwidth / 1e12:.2f} TB/s"
                         f" = {gpu_flops / gpu_bandwidth:.0f}")
-    for (kv, row), color in zip(times.items(), COLORS):
-        flops = decode_flops(h, dh, contexts[i_max])
-        right.plot([flops / decode_bytes(kv, dh, contexts[i_max])], [flops / row[i_max] / 1e9], "o", ms=8,
-                   color=color, label=f"{attention_kind(h, kv)}: g / 2 = {h / kv / 2:g} FLOPs per byte")
+    flops = decode_flops(h, dh, s_max)
+    for (kv, row), color in zip(timing.steps.items(), COLORS):
+        right.plot([flops / decode_bytes(kv, dh, s_max)], [flops / row[-1] / 1e9], "o", ms=8, color=color,
+                   label=f"{attention_kind(h, kv)}: g / 2 = {h / kv / 2:g} FLOPs per byte")
     log_axes(right, [0.125, 1, 8, 64, 512], [1, 10, 100, 1000], xlabel=lambda x: f"{x:g}")
     right.set_xlabel("arithmetic intensity (FLOPs per byte read)")
     right.set_ylabel("GFLOP/s")
-    right.set_title(f"the roofline; dots: measured at {contexts[i_max]} tokens", fontsize=10)
+    right.set_title(f"the roofline; dots: measured at {s_max} tokens", fontsize=10)
     right.legend(fontsize=7, loc="lower right")
     fig.suptitle(f"One decode step of one layer's attention, {h} query heads, dh={dh}, fp32, on {machine_name()}",
                  fontsize=11)
@@ -924,47 +894,192 @@ def plot_decode_time(times, ceilings, problems, contexts=DECODE_CONTEXTS):
     return fig
 
 
-# ----------------------------------------------------------------------------- main
-def main(argv=None):
-    args = parse_args(argv)
-    gc.freeze()        # speed only: the 10^5 objects made by importing torch are not garbage; don't rescan them
-    problem = out_dir_problem(args.out_dir, FIGURES)
-    if problem:
-        print(f"mha.py: error: {problem}", file=sys.stderr)
-        return 1
-    kv = args.n_kv_heads
-    print(f"Causal attention, d={D_MODEL}, dh={D_MODEL // N_HEADS}, {N_HEADS} query heads reading {kv} K/V "
-          f"head{'s' if kv > 1 else ''}: {attention_kind(N_HEADS, kv)}, groups of {N_HEADS // kv}\n")
-    ok = run_checks(kv, args.seed)
-    print_cache_table(kv)
-    print_published_table()
-    ok &= check_cache(kv, args.seed)
-    contexts = tuple(sorted(set(DECODE_CONTEXTS)))
-    times, ceilings = measure_decode(contexts, LLAMA_KV_HEADS, DECODE_ROUNDS)
-    problems = timing_contradictions(times, ceilings, contexts)
-    print_decode_table(times, ceilings, problems, contexts)
+def tokens_label(n):
+    """tokens_label(8192) == '8k' (multiples of 1024); tokens_label(512) == '512'; tokens_label(5000) == '5,000'."""
+    return f"{n // 1024}k" if n >= 1024 and n % 1024 == 0 else f"{n:,}"
 
-    # The last two are drawn by a forked copy of this process (see render_pngs): they must not run torch.
-    pngs = render_pngs({"attention_maps.png": lambda: plot_attention_maps(kv, args.seed),
-                        "kv_cache_size.png": plot_cache_sizes,
-                        "head_layout.png": lambda: plot_head_layout(kv),
-                        "decode_time.png": lambda: plot_decode_time(times, ceilings, problems, contexts)})
-    if not write_figures("mha.py", args.out_dir, pngs):
-        return 1
-    print(f"\nFigures written to {shown_path(args.out_dir)}: {', '.join(FIGURES)}")
-    print(f"Now change N_KV_HEADS (or pass --n-kv-heads) and run again. All checks: {'OK' if ok else 'FAIL'}")
-    return 0 if ok else 1
+
+def log_axes(ax, xticks, yticks, xlabel=tokens_label):
+    """Log-log axes with ticks at fixed places, in plain text (matplotlib's math text costs 0.25 s a figure)."""
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xticks(xticks, [xlabel(t) for t in xticks])
+    ax.set_yticks(yticks, [f"{t:g}" for t in yticks])
+    ax.minorticks_off()
+
+
+def new_figure(width, height):
+    """A matplotlib Figure on the Agg canvas: no display, no global pyplot state."""
+    from matplotlib.figure import Figure
+    return Figure(figsize=(width, height))
+
+
+def png_bytes(fig):
+    """The figure as PNG bytes. Agg's PNG holds no date, only matplotlib's version: same code, same bytes."""
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=100)
+    return buf.getvalue()
 
 
 # ----------------------------------------------------------------------------- plumbing (not the lesson)
-# Each helper below exists so that a mistake a user can make ends in one sentence, not a traceback.
+# Each helper below exists so that a mistake a user can make ends in one sentence, not a traceback, and
+# leaves nothing behind: the module's arguments, the flags and knobs, the output folder, the streams.
+def whole_number(name, value):
+    """value as an int if it is a whole number (int, numpy integer, ...), else TypeError in one sentence.
+
+    whole_number("n", np.int64(4)) == 4; whole_number("n", 4.0), ("n", "4") and ("n", True) raise.
+    """
+    try:
+        if not isinstance(value, bool):
+            return operator.index(value)
+    except TypeError:
+        pass
+    raise TypeError(f"{name} must be a whole number, got {value!r}")
+
+
+def check_sizes(d_model, n_heads, n_kv_heads, bias=True):
+    """CausalMHA's sizes as ints (n_kv_heads None means n_heads); else one sentence naming the value and the rule."""
+    if not isinstance(bias, bool):
+        raise TypeError(f"bias must be True or False, got {bias!r}")
+    n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
+    d_model, n_heads, n_kv_heads = (whole_number(name, value) for name, value in
+                                    (("d_model", d_model), ("n_heads", n_heads), ("n_kv_heads", n_kv_heads)))
+    if n_heads < 1:
+        raise ValueError(f"n_heads must be at least 1, got {n_heads}")
+    if d_model < 1 or d_model % n_heads:
+        raise ValueError(f"d_model={d_model} must be a positive multiple of n_heads={n_heads}")
+    if not 1 <= n_kv_heads <= n_heads or n_heads % n_kv_heads:
+        raise ValueError(f"n_kv_heads={n_kv_heads} must be a positive divisor of n_heads={n_heads} "
+                         f"(1 = MQA, {n_heads} = MHA, a divisor in between = GQA)")
+    return d_model, n_heads, n_kv_heads
+
+
+def check_call(attn, x, need_weights, cache):
+    """(B, T) of a valid call attn(x, need_weights, cache); else one sentence naming what was given and
+    what is needed, raised before anything is computed or written (a refused call leaves the cache as it was)."""
+    weight = attn.in_proj.weight
+    if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[-1] != attn.d_model:
+        got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+        raise ValueError(f"x must have shape (B, T, {attn.d_model}), got {got}")
+    B, T = x.shape[0], x.shape[1]
+    if T < 1 or B < 1:
+        raise ValueError(f"x must hold at least one token of one sequence, got shape {tuple(x.shape)}")
+    if x.dtype != weight.dtype:
+        raise ValueError(f"x is {x.dtype} but this module computes in {weight.dtype}; convert one to the other")
+    if x.device != weight.device:
+        raise ValueError(f"x is on {x.device} but this module is on {weight.device}; move one to the other")
+    if not isinstance(need_weights, bool):
+        raise TypeError(f"need_weights must be True or False, got {need_weights!r}")
+    if cache is None:
+        return B, T
+    if not isinstance(cache, KVCache):
+        raise TypeError(f"cache must be a KVCache, as new_cache() makes, got {type(cache).__name__}")
+    tensors = {"K": cache.k, "V": cache.v}
+    for name, t in tensors.items():
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"the cache's {name} must be a tensor, got {type(t).__name__}")
+    needs_grad = x.requires_grad or any(t.requires_grad for t in [*tensors.values(), *attn.parameters()])
+    if torch.is_grad_enabled() and needs_grad:
+        raise RuntimeError("decoding with a cache writes it in place, which autograd cannot follow: call "
+                           "the module under torch.no_grad() or torch.inference_mode()")
+    want = (B, attn.n_kv_heads, cache.k.shape[2] if cache.k.dim() == 4 else "max_len", attn.d_head)
+    for name, t in tensors.items():
+        if tuple(t.shape) != want or t.dtype != weight.dtype:
+            raise ValueError(f"the cache holds {name} of shape {tuple(t.shape)} in {t.dtype}, "
+                             f"this call needs {want} in {weight.dtype}")
+        if t.device != weight.device:
+            raise ValueError(f"the cache's {name} is on {t.device} but this module is on {weight.device}")
+        if t.is_inference() and not torch.is_inference_mode_enabled():
+            raise RuntimeError(f"the cache's {name} was made under torch.inference_mode(), so only a call "
+                               "under torch.inference_mode() can write it")
+        if shares_memory(t):
+            raise ValueError(f"positions of the cache's {name} share memory (a stride of 0?), so writing one "
+                             "would overwrite another: give it memory of its own")
+    if shares_memory(cache.k, cache.v):
+        raise ValueError("the cache's K and V share memory, so writing V would overwrite K: give each "
+                         "its own tensor")
+    length = whole_number("cache.length", cache.length)
+    if not 0 <= length <= cache.k.shape[2] - T:
+        raise ValueError(f"the cache holds {length} of at most {cache.k.shape[2]} tokens and cannot take {T} more")
+    cache.length = length
+    return B, T
+
+
+def shares_memory(a, b=None):
+    """Whether two elements of a (with b None), or an element of a and one of b, lie at the same address.
+
+    Strides or address ranges decide at once in the usual cases; where they cannot, element by element.
+    K and V interleaved in one buffer do not share memory; a tensor expanded with a stride of 0 does.
+    """
+    if b is None:
+        extent = 1                                         # elements spanned by the dimensions seen so far
+        for stride, n in sorted((s, n) for n, s in zip(a.shape, a.stride()) if n > 1):
+            if stride < extent:
+                offsets = element_offsets(a)
+                return offsets.unique().numel() < offsets.numel()
+            extent += stride * (n - 1)
+        return False
+    (a0, a1), (b0, b1) = byte_range(a), byte_range(b)
+    if a1 <= b0 or b1 <= a0:
+        return False
+    if (a.data_ptr() - b.data_ptr()) % a.element_size() or a.element_size() != b.element_size():
+        return True                                        # elements that could meet part-way: say they do
+    first = min(a.data_ptr(), b.data_ptr())
+    starts = [(t.data_ptr() - first) // t.element_size() + element_offsets(t) for t in (a, b)]
+    return bool(torch.isin(starts[0], starts[1]).any())
+
+
+def element_offsets(t):
+    """The offset of every element of t from its first, in elements: (t.numel(),) int64."""
+    offsets = torch.zeros((), dtype=torch.long)
+    for n, stride in zip(t.shape, t.stride()):
+        offsets = offsets.unsqueeze(-1) + torch.arange(n) * stride    # (..., n)
+    return offsets.flatten()
+
+
+def byte_range(t):
+    """(first byte, last byte + 1) of the memory t's elements can touch."""
+    last = sum((n - 1) * stride for n, stride in zip(t.shape, t.stride())) if t.numel() else -1
+    return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
+
+
+def check_cache_size(batch, max_len):
+    batch, max_len = whole_number("batch", batch), whole_number("max_len", max_len)
+    if batch < 1 or max_len < 1:
+        raise ValueError(f"a cache needs batch >= 1 and max_len >= 1, got batch={batch}, max_len={max_len}")
+    return batch, max_len
+
+
+def check_copyable(ref):
+    """from_torch copies only what CausalMHA computes: one sentence for anything else."""
+    if not isinstance(ref, nn.MultiheadAttention):
+        raise TypeError(f"from_torch copies an nn.MultiheadAttention, got {type(ref).__name__}")
+    same_dims = ref.kdim == ref.vdim == ref.embed_dim
+    if not (ref.batch_first and same_dims and ref.bias_k is None and not ref.add_zero_attn):
+        raise ValueError("from_torch copies only nn.MultiheadAttention(d, h, batch_first=True) "
+                         "without kdim, vdim, add_bias_kv or add_zero_attn")
+    if ref.dropout:
+        raise ValueError(f"from_torch needs dropout=0.0 (CausalMHA has no dropout), got {ref.dropout}")
+
+
+def check_to_gqa(attn, n_kv_heads, pool):
+    new_kv = whole_number("n_kv_heads", n_kv_heads)
+    if new_kv < 1 or attn.n_kv_heads % new_kv:
+        raise ValueError(f"n_kv_heads={new_kv} must be a positive divisor of this module's {attn.n_kv_heads} "
+                         "K/V heads")
+    if pool not in ("mean", "first"):
+        raise ValueError(f"pool={pool!r} must be 'mean' or 'first'")
+    return new_kv
+
+
 class Parser(argparse.ArgumentParser):
     def error(self, message):                              # one line and exit 2, without the usage block
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
 def parse_args(argv=None):
-    """The flags, each defaulting to its knob; a bad value or a knob that cannot work exits 2 in one line."""
+    """The flags, each defaulting to its knob; a bad value, a knob that cannot work or an --out-dir that
+    cannot take the figures exits 2 in one line, before anything is computed."""
     parser = Parser(prog="mha.py", description="Multi-head, grouped-query and multi-query attention: "
                     "checks, KV-cache tables, decode timings and figures.",
                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -975,38 +1090,60 @@ def parse_args(argv=None):
     args = parser.parse_args(argv)
     try:
         check_knobs()
-        check_heads(D_MODEL, N_HEADS, args.n_kv_heads)
+        check_sizes(D_MODEL, N_HEADS, args.n_kv_heads)
     except (TypeError, ValueError) as e:
         parser.error(str(e))
     if not 0 <= args.seed < 2**32:
         parser.error(f"--seed {args.seed} must be between 0 and 2**32 - 1")
+    problem = out_dir_problem(args.out_dir, FIGURES)
+    if problem:
+        parser.error(problem)
     return args
+
+
+FIGURES = ["attention_maps.png", "kv_cache_size.png", "head_layout.png", "decode_time.png"]
+DECODE_MEMORY = 4e9      # bytes of K and V the decode timing may allocate: DECODE_CONTEXTS are capped by it
 
 
 def check_knobs():
     """Raise TypeError or ValueError, in one sentence naming the knob, unless every knob at the top can work."""
-    check_heads(D_MODEL, N_HEADS, N_HEADS)
+    check_sizes(D_MODEL, N_HEADS, N_HEADS)
     for kv in LLAMA_KV_HEADS:
-        check_heads(LLAMA_HEADS * LLAMA_D_HEAD, LLAMA_HEADS, kv)
+        check_sizes(LLAMA_HEADS * LLAMA_D_HEAD, LLAMA_HEADS, kv)
     if LLAMA_HEADS not in LLAMA_KV_HEADS:
         raise ValueError(f"LLAMA_KV_HEADS={LLAMA_KV_HEADS} must include LLAMA_HEADS={LLAMA_HEADS}, the MHA baseline")
-    counts = {"SEQ_LEN": SEQ_LEN, "BATCH": BATCH, "LLAMA_LAYERS": LLAMA_LAYERS, "CACHE_TOKENS": CACHE_TOKENS,
-              "CACHE_BYTES_PER_ELEM": CACHE_BYTES_PER_ELEM, "DECODE_ROUNDS": DECODE_ROUNDS,
-              **{f"DECODE_CONTEXTS[{i}]": S for i, S in enumerate(DECODE_CONTEXTS)}}
-    if isinstance(GPU_CACHE_GB, bool) or not isinstance(GPU_CACHE_GB, (int, float)) or not GPU_CACHE_GB > 0:
-        raise ValueError(f"GPU_CACHE_GB={GPU_CACHE_GB!r} must be a positive number of GB")
+    for name, (layers, h, kv, dh) in PUBLISHED_MODELS.items():
+        check_sizes(h * dh, h, kv)
+        whole_number(f"the layers of {name}", layers)
     if not DECODE_CONTEXTS:
         raise ValueError("DECODE_CONTEXTS must hold at least one context length")
+    counts = {"SEQ_LEN": SEQ_LEN, "BATCH": BATCH, "LLAMA_LAYERS": LLAMA_LAYERS, "CACHE_TOKENS": CACHE_TOKENS,
+              "CACHE_BYTES_PER_ELEM": CACHE_BYTES_PER_ELEM, "DECODE_ROUNDS": DECODE_ROUNDS, "MATMUL_N": MATMUL_N,
+              **{f"DECODE_CONTEXTS[{i}]": S for i, S in enumerate(DECODE_CONTEXTS)}}
     for name, value in counts.items():
         if whole_number(name, value) < 1:
             raise ValueError(f"{name}={value} must be at least 1")
+    real = isinstance(GPU_CACHE_GB, (int, float)) and not isinstance(GPU_CACHE_GB, bool)
+    if not (real and math.isfinite(GPU_CACHE_GB) and GPU_CACHE_GB > 0):
+        raise ValueError(f"GPU_CACHE_GB={GPU_CACHE_GB!r} must be a positive, finite number of GB")
     if SEQ_LEN < 2:
         raise ValueError(f"SEQ_LEN={SEQ_LEN} must be at least 2: a single token attends only to itself, so "
                          "its output is v whatever the queries, and no check could see a wrong query")
+    if N_HEADS < 2:
+        raise ValueError(f"N_HEADS={N_HEADS} must be at least 2: the check that must fail swaps query heads 0 and 1")
+    for name, value, most in [("D_MODEL", D_MODEL, 4096), ("N_HEADS", N_HEADS, 64), ("SEQ_LEN", SEQ_LEN, 512),
+                              ("BATCH", BATCH, 64)]:
+        if value > most:
+            raise ValueError(f"{name}={value} must be at most {most}: the demo is checked and drawn in seconds")
+    needed = sum(decode_bytes(kv, LLAMA_D_HEAD, max(DECODE_CONTEXTS)) for kv in LLAMA_KV_HEADS)
+    if needed > DECODE_MEMORY:
+        raise ValueError(f"DECODE_CONTEXTS up to {max(DECODE_CONTEXTS):,} tokens need {needed / 1e9:.1f} GB of "
+                         f"K and V for the decode timing; at most {DECODE_MEMORY / 1e9:.0f} GB")
 
 
 def out_dir_problem(folder, names):
-    """Make folder if needed; say in one sentence why names cannot be written there, or return None."""
+    """Why names cannot be written into folder, in one sentence, or None. It tries: it makes the folder
+    if need be and a file in it, then removes both, so the disk is left as it was."""
     if not folder:
         return "--out-dir is empty: name a folder"
     parent = folder
@@ -1014,8 +1151,9 @@ def out_dir_problem(folder, names):
         parent = os.path.dirname(parent.rstrip(os.sep))
     if parent and not os.path.isdir(parent):
         return f"'{parent}' is a file, not a folder, so the figures cannot go to '{folder}'"
+    made = []
     try:
-        os.makedirs(folder, exist_ok=True)
+        made = make_folders(folder)
         for name in names:                                 # each figure's path: a regular file or nothing
             path = os.path.join(folder, name)
             if os.path.lexists(path) and not os.path.isfile(path):
@@ -1028,7 +1166,35 @@ def out_dir_problem(folder, names):
         if e.errno == errno.ENOENT and os.path.isdir(folder):
             return f"the folder '{folder}' exists but does not accept new files"
         return f"cannot write files in the folder '{folder}': {e.strerror or e}"
+    finally:
+        remove_folders(made)
     return None
+
+
+def make_folders(folder):
+    """Make folder and any missing parents; return the folders made, outermost first."""
+    missing, path = [], os.path.abspath(folder)
+    while not os.path.isdir(path):
+        missing.append(path)
+        path = os.path.dirname(path)
+    made = []
+    try:
+        for path in reversed(missing):
+            os.mkdir(path)
+            made.append(path)
+    except OSError:
+        remove_folders(made)
+        raise
+    return made
+
+
+def remove_folders(made):
+    """Remove the folders make_folders made, innermost first, where they are still empty."""
+    for path in reversed(made):
+        try:
+            os.rmdir(path)
+        except OSError:
+            pass
 
 
 def temporary_name(path):
@@ -1062,54 +1228,19 @@ def write_all(files):
 
 
 def write_figures(prog, folder, pngs):
-    """write_all of {name: PNG bytes} into folder; on failure one line on stderr and False."""
+    """write_all of {name: PNG bytes} into folder, made if need be; on failure one line on stderr, False,
+    and no folder left behind that this call made."""
+    made = []
     try:
+        made = make_folders(folder)
         write_all({os.path.join(folder, name): png for name, png in pngs.items()})
-    except OSError as e:
+    except (OSError, KeyboardInterrupt) as e:
+        remove_folders(made)
+        if isinstance(e, KeyboardInterrupt):
+            raise
         print(f"{prog}: error: cannot write '{e.filename}': {e.strerror}", file=sys.stderr)
         return False
     return True
-
-
-def render_pngs(draws):
-    """{name: PNG bytes} for {name: function making a Figure}, in order. Speed only: on Linux a forked
-    copy of this process renders the second half on the other core meanwhile (those must not run torch,
-    whose threads a forked copy does not have), and if it fails the parent renders them itself."""
-    names = list(draws)
-    forked = names[len(names) // 2:] if sys.platform == "linux" and (os.cpu_count() or 1) > 1 else []
-    if forked:
-        read_end, write_end = os.pipe()
-        with warnings.catch_warnings():                    # Python 3.12+ warns of fork with threads alive
-            warnings.simplefilter("ignore", DeprecationWarning)
-            pid = os.fork()
-        if pid == 0:                                       # the copy: render, send the bytes, vanish
-            code = 1
-            try:
-                os.close(read_end)
-                with os.fdopen(write_end, "wb") as f:
-                    pickle.dump({name: png_bytes(draws[name]()) for name in forked}, f)
-                code = 0
-            finally:
-                os._exit(code)
-        os.close(write_end)
-    pngs = {name: png_bytes(draws[name]()) for name in names if name not in forked}
-    if forked:
-        with os.fdopen(read_end, "rb") as f:
-            sent = f.read()
-        if os.waitpid(pid, 0)[1] == 0:
-            pngs.update(pickle.loads(sent))
-        else:
-            pngs.update({name: png_bytes(draws[name]()) for name in forked})
-    return {name: pngs[name] for name in names}
-
-
-def overlap(a, b):
-    """Whether tensors a and b could share any byte of memory (their address ranges meet)."""
-    def span(t):
-        last = sum((n - 1) * stride for n, stride in zip(t.shape, t.stride())) if t.numel() else -1
-        return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
-    (a0, a1), (b0, b1) = span(a), span(b)
-    return a0 < b1 and b0 < a1
 
 
 def shown_path(folder):
@@ -1119,18 +1250,40 @@ def shown_path(folder):
 
 
 def run_as_script(main):
-    """main(), ending quietly if the reader of our output goes away (python mha.py | head), as Python's docs
-    advise, and in one line on Ctrl-C."""
+    """sys.exit(main()), where a closed or full standard output, a reader that goes away (python mha.py |
+    head, as Python's docs advise) and Ctrl-C each end in at most one line, never a traceback."""
+    prog = os.path.basename(sys.argv[0])
+    if sys.stdout is None:                                 # python mha.py >&-
+        print(f"{prog}: error: standard output is closed", file=sys.stderr or sys.stdout)
+        sys.exit(1)
+    for stream in (sys.stdout, sys.stderr):                # a folder name the terminal cannot show: \x escapes
+        if hasattr(stream, "reconfigure"):
+            stream.reconfigure(errors="backslashreplace")
     try:
         code = main()
         sys.stdout.flush()
-    except BrokenPipeError:
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())   # so the exit's own flush is silent
+    except BrokenPipeError:                                # the reader went away: nothing more to say
         code = 1
     except KeyboardInterrupt:                              # Ctrl-C: one line and the shell's code for it
-        print(f"\n{os.path.basename(sys.argv[0])}: interrupted", file=sys.stderr)
+        print(f"\n{prog}: interrupted", file=sys.stderr)
         code = 130
+    except OSError as e:                                   # a write to a full or broken standard output
+        unwritable = e.filename is None and e.errno in (errno.ENOSPC, errno.EIO, errno.EFBIG, errno.EDQUOT)
+        if stdout_works() and not unwritable:              # another error: not ours to explain
+            raise
+        print(f"{prog}: error: cannot write to standard output: {e.strerror}", file=sys.stderr)
+        code = 1
+    if not stdout_works():                                 # so that the exit's own flush is silent too
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     sys.exit(code)
+
+
+def stdout_works():
+    try:
+        sys.stdout.flush()
+        return True
+    except OSError:
+        return False
 
 
 if __name__ == "__main__":

@@ -1,6 +1,12 @@
 """bench.py on tiny shapes: it must keep running as mha.py changes, and its contradiction checks must fire."""
 
+import os
+import subprocess
+import sys
+
 import bench
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_forward_times_compares_both_sides():
@@ -8,11 +14,14 @@ def test_forward_times_compares_both_sides():
     assert len(ours) == len(torch_s) == 3 and min(ours) > 0 and min(torch_s) > 0
 
 
-def test_decode_times_measures_every_kind_and_both_ceilings():
-    steps, parts, shared, copied, ceilings = bench.decode_times(64, h=32, dh=4, rounds=2)
-    assert list(steps) == list(parts) == list(bench.KINDS)
-    assert all(len(t) == 2 and min(t) > 0 for t in [*steps.values(), *parts.values(), shared, copied])
-    assert 1e8 < ceilings.bandwidth < 1e13 and 1e8 < ceilings.flops < 1e14
+def test_decode_times_measures_every_kind_its_reads_and_the_matmul():
+    steps, parts, reads, shared, copy, flops, weights = bench.decode_times(64, h=32, dh=4, rounds=2)
+    assert list(steps) == list(parts) == list(reads) == list(bench.KINDS)
+    assert all(len(t) == 2 and min(t) > 0 for t in [*steps.values(), *parts.values(), *reads.values(), shared, copy])
+    assert 1e8 < flops < 1e14
+    d = 32 * 4                                   # in_proj (h + 2 kv) dh rows and out_proj d rows, with biases
+    assert weights["MHA"] == 4 * ((32 + 2 * 32) * 4 * (d + 1) + d * (d + 1))
+    assert weights["MQA"] == 4 * ((32 + 2 * 1) * 4 * (d + 1) + d * (d + 1))
 
 
 def test_scattered_rounds_are_a_contradiction(monkeypatch):
@@ -29,3 +38,25 @@ def test_an_order_against_the_bytes_is_a_contradiction(monkeypatch):
     bench.check_order({"MHA": [4.0], "GQA-8": [1.0], "MQA": [5.0]}, "attention", 4096)
     assert bench.CONTRADICTIONS == ["attention at 4096 tokens: MQA slower than GQA-8"]
 
+
+def test_help_is_help_not_a_run():
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "bench.py"), "--help"], check=False, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0 and r.stdout.startswith("usage: bench.py") and "torch " not in r.stdout
+
+
+def test_a_bad_flag_is_one_line():
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "bench.py"), "--rounds", "3"], check=False, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 2 and r.stdout == ""
+    assert r.stderr == "bench.py: error: unrecognized arguments: --rounds 3\n"
+
+
+def test_a_reader_that_goes_away_ends_it_quietly():
+    """python bench.py | head -1: the first line, then a quiet exit, no traceback."""
+    p = subprocess.Popen([sys.executable, os.path.join(ROOT, "bench.py")], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    first = p.stdout.readline()
+    p.stdout.close()
+    err = p.stderr.read()
+    assert p.wait(timeout=300) == 1 and first.startswith(b"torch ") and err == b"", err.decode()

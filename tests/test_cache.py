@@ -222,6 +222,18 @@ def test_a_cached_call_under_autograd_is_refused():
         assert attn(torch.randn(1, 1, 128), cache=cache).shape == (1, 1, 128)
 
 
+def test_a_trainable_bias_alone_is_enough_to_refuse_a_cached_call_under_autograd():
+    """The weights frozen but a bias trainable: backward() would fail on the in-place write later."""
+    attn = module(8, 2)
+    cache = filled(attn)
+    attn.requires_grad_(False)
+    attn.in_proj.bias.requires_grad_(True)
+    refused_without_a_write(attn, cache, RuntimeError, ["torch.no_grad()"], grad=True)
+    attn.in_proj.bias.requires_grad_(False)
+    attn.out_proj.bias.requires_grad_(True)
+    refused_without_a_write(attn, cache, RuntimeError, ["torch.no_grad()"], grad=True)
+
+
 def test_training_without_a_cache_still_works():
     attn = module(8, 2).train()
     attn(torch.randn(2, 5, 128)).square().mean().backward()
@@ -282,7 +294,70 @@ def test_k_and_v_in_one_buffer_side_by_side_are_fine():
     x = torch.randn(1, 3, 128)
     with torch.no_grad():
         assert torch.equal(attn(x, cache=cache), attn(x))
-    assert not mha.overlap(buf[0], buf[1]) and mha.overlap(buf[0], buf[0, :, :1])
+    assert not mha.shares_memory(buf[0], buf[1]) and mha.shares_memory(buf[0], buf[0, :, :1])
+
+
+@pytest.mark.parametrize("packed", ["interleaved", "halves"])
+def test_k_and_v_interleaved_in_one_buffer_are_fine(packed):
+    """K and V as disjoint views of one packed buffer, whose address ranges meet: not sharing, and exact."""
+    attn = module(8, 2)
+    if packed == "interleaved":                           # (B, max_len, 2, kv, dh): K and V of a token side by side
+        buf = torch.zeros(1, 10, 2, 2, 16)
+        k, v = buf[:, :, 0].transpose(1, 2), buf[:, :, 1].transpose(1, 2)   # (B, kv, max_len, dh) each
+    else:                                                 # (B, kv, max_len, 2 dh): K in the first half of each row
+        buf = torch.zeros(1, 2, 10, 32)
+        k, v = buf[..., :16], buf[..., 16:]
+    assert mha.byte_range(k)[1] > mha.byte_range(v)[0]   # the ranges meet, so only the elements can tell
+    assert not mha.shares_memory(k, v)
+    x = torch.randn(1, 4, 128)
+    cache = mha.KVCache(k, v)
+    with torch.no_grad():
+        steps = torch.cat([attn(x[:, :3], cache=cache), attn(x[:, 3:], cache=cache)], dim=1)
+        assert mha.relative_diff(steps, attn(x)) <= 1e-6
+    assert buf.count_nonzero() == 2 * 4 * 2 * 16          # every written number landed in its own place
+
+
+def test_shares_memory_element_by_element():
+    buf = torch.arange(24.0)
+    assert mha.shares_memory(buf[0:12:2], buf[4:20:2])      # even elements of both: 4, 6, 8, 10 meet
+    assert not mha.shares_memory(buf[0:12:2], buf[1:13:2])  # even and odd: ranges meet, elements do not
+    assert mha.shares_memory(torch.zeros(3, 1).expand(3, 4))         # stride 0: four positions, one number
+    assert not mha.shares_memory(torch.zeros(3, 4).t())
+    assert mha.shares_memory(buf.as_strided((3, 4), (2, 1)))        # rows of 4 starting every 2: they meet
+    assert not mha.shares_memory(buf.as_strided((3, 4), (8, 2)))
+
+
+@pytest.mark.parametrize("which", ["K", "V"])
+def test_a_cache_with_a_stride_of_0_is_refused_before_anything_is_written(which):
+    """V expanded from one token would be refused by PyTorch only after K was written."""
+    attn = module(8, 2)
+    shared = torch.zeros(1, 2, 1, 16).expand(1, 2, 10, 16)
+    k, v = (shared, torch.zeros(1, 2, 10, 16)) if which == "K" else (torch.zeros(1, 2, 10, 16), shared)
+    refused_without_a_write(attn, mha.KVCache(k, v), ValueError, [f"the cache's {which}", "share memory"])
+
+
+@pytest.mark.parametrize("cache, words", [("c", ["KVCache", "str"]), ((1, 2), ["KVCache", "tuple"])])
+def test_a_cache_that_is_not_a_kvcache_is_refused(cache, words):
+    with torch.no_grad(), pytest.raises(TypeError) as e:
+        module(8, 2)(torch.randn(1, 1, 128), cache=cache)
+    assert all(w in str(e.value) for w in words), str(e.value)
+
+
+def test_a_cache_made_under_inference_mode_is_refused_elsewhere():
+    attn = module(8, 2)
+    with torch.inference_mode():
+        cache = attn.new_cache(1, 10)
+        attn(torch.randn(1, 2, 128), cache=cache)
+    with torch.no_grad(), pytest.raises(RuntimeError, match="made under torch.inference_mode()"):
+        attn(torch.randn(1, 1, 128), cache=cache)
+    assert cache.length == 2
+    with torch.inference_mode():
+        assert attn(torch.randn(1, 1, 128), cache=cache).shape == (1, 1, 128) and cache.length == 3
+
+
+def test_need_weights_must_be_a_bool():
+    with pytest.raises(TypeError, match="need_weights must be True or False, got 'yes'"):
+        module(8, 2)(torch.randn(1, 2, 128), need_weights="yes")
 
 
 @pytest.mark.parametrize("batch, max_len, error", [(1.5, 10, TypeError), (True, 10, TypeError), ("1", 10, TypeError),
@@ -318,37 +393,53 @@ def test_roofline_picks_the_slower_ceiling_on_either_side_of_the_ridge():
     assert mha.roofline(8e9, 1e9, ceilings) == (8e9 / 160e9, "compute")     # 8 FLOPs a byte: above it
     floor, bound = mha.roofline(4e9, 1e9, ceilings)                          # at the ridge both are equal
     assert floor == 0.025 and bound == "memory"
-    assert mha.decode_roofline(32, 4096, ceilings)[1] == "memory"             # MHA: 0.5 FLOPs a byte
-    assert mha.decode_roofline(1, 4096, ceilings)[1] == "compute"             # MQA: 16
+    timing = fake_timing(ceilings, (4096,))
+    assert timing.floor(32, 4096)[1] == "memory"                               # MHA: 0.5 FLOPs a byte
+    assert timing.floor(1, 4096)[1] == "compute"                               # MQA: 16
 
 
-def fake_times(ceilings, contexts, slower=1.5):
-    """Decode times `slower` x above their roofline floors, as a quiet machine would measure them."""
-    return {kv: [slower * mha.decode_roofline(kv, S, ceilings)[0] for S in contexts] for kv in (32, 8, 4, 1)}
+def fake_timing(ceilings, contexts=mha.DECODE_CONTEXTS, slower=1.5, kv_heads=(32, 8, 4, 1)):
+    """A DecodeTiming as a quiet machine with these ceilings would measure it: every read at `bandwidth`,
+    every step `slower` x above its roofline floor."""
+    reads = {kv: [mha.decode_bytes(kv, 128, S) / ceilings.bandwidth for S in contexts] for kv in kv_heads}
+    timing = mha.DecodeTiming(tuple(contexts), steps={}, reads=reads, flops=ceilings.flops, rounds=5)
+    timing.steps = {kv: [slower * timing.floor(kv, S)[0] for S in contexts] for kv in kv_heads}
+    return timing
+
+
+def test_a_step_has_the_ceilings_of_its_own_bytes():
+    timing = fake_timing(mha.Ceilings(40e9, 160e9), (512, 8192))
+    timing.reads[1][0] /= 4                               # MQA's 512-token K and V read 4x faster: in cache
+    assert timing.ceilings(1, 512) == mha.Ceilings(160e9, 160e9)
+    assert timing.ceilings(32, 512) == timing.ceilings(1, 8192) == timing.memory() == mha.Ceilings(40e9, 160e9)
+    assert timing.floor(32, 8192) == mha.roofline(mha.decode_flops(32, 128, 8192), mha.decode_bytes(32, 128, 8192),
+                                                  mha.Ceilings(40e9, 160e9))
 
 
 def test_timing_contradictions_on_a_quiet_and_a_busy_machine():
-    ceilings, contexts = mha.Ceilings(40e9, 160e9), (512, 1024, 8192)
-    times = fake_times(ceilings, contexts)
-    assert mha.timing_contradictions(times, ceilings, contexts) == []
-    times[32][2] *= 0.5                                   # MHA at 8192 tokens: 25% under its floor
-    times[1][1] *= 20                                     # MQA at 1024 tokens: slower than GQA-4
-    assert mha.timing_contradictions(times, ceilings, contexts) == [
+    contexts = (512, 1024, 8192)
+    timing = fake_timing(mha.Ceilings(40e9, 160e9), contexts)
+    assert mha.timing_contradictions(timing) == []
+    timing.steps[32][2] *= 0.5                            # MHA at 8192 tokens: 25% under its floor
+    timing.steps[1][1] *= 20                              # MQA at 1024 tokens: slower than GQA-4
+    assert mha.timing_contradictions(timing) == [
         "MHA at 8192 tokens is 25% below its floor", "MQA is slower than GQA-4 at 1024 tokens"]
-    times = fake_times(ceilings, contexts)
-    times[1][0] *= 20                                     # at 512 tokens the order is not checked
-    assert mha.timing_contradictions(times, ceilings, contexts) == []
-    at_floor = fake_times(ceilings, contexts, slower=1.0)
-    assert mha.timing_contradictions(at_floor, ceilings, contexts) == []
-    busy_read = mha.Ceilings(20e9, 160e9)                # the read was timed while something else ran
-    assert "MHA at 512 tokens is 50% below its floor" in mha.timing_contradictions(at_floor, busy_read, contexts)
+    timing = fake_timing(mha.Ceilings(40e9, 160e9), contexts)
+    timing.steps[1][0] *= 20                              # at 512 tokens the order is not checked
+    assert mha.timing_contradictions(timing) == []
+    at_floor = fake_timing(mha.Ceilings(40e9, 160e9), contexts, slower=1.0)
+    assert mha.timing_contradictions(at_floor) == []
+    at_floor.reads[32][0] *= 2                            # MHA's 512-token read was timed while something else ran
+    assert mha.timing_contradictions(at_floor) == ["MHA at 512 tokens is 50% below its floor"]
+    at_floor.reads[32][0] /= 2
+    at_floor.scatter = 1.6                                # the rounds disagree with each other
+    assert mha.timing_contradictions(at_floor) == ["the rounds scatter, a typical median round is 1.6x the best"]
 
 
 def test_printed_floors_are_the_roofline(capsys):
     """Every floor in the printed table is max(bytes / read, FLOPs / matmul), never more."""
-    ceilings = mha.Ceilings(40e9, 120e9)                  # ridge 3: GQA-4 (4 FLOPs a byte) above it
-    times = fake_times(ceilings, mha.DECODE_CONTEXTS, slower=2.0)
-    mha.print_decode_table(times, ceilings, [])
+    timing = fake_timing(mha.Ceilings(40e9, 120e9), slower=2.0)    # ridge 3: GQA-4 (4 FLOPs a byte) above it
+    mha.print_decode_table(timing, [])
     out = capsys.readouterr().out
     rows = [line.split() for line in out.splitlines()
             if line.split()[:1] in (["MHA"], ["GQA-8"], ["GQA-4"], ["MQA"]) and len(line.split()) == 8]
@@ -358,43 +449,56 @@ def test_printed_floors_are_the_roofline(capsys):
         assert bound == ("memory" if float(memory_ms) >= float(compute_ms) else "compute") and reach == "50%"
     assert [r[2] for r in rows] == ["memory", "memory", "compute", "compute"]
     assert "Memory-bound here: MHA, GQA-8; compute-bound: GQA-4, MQA." in out and "NOT TRUSTWORTHY" not in out
+    assert "fp32), best of 5" in out and "the ridge is at 3.0 FLOPs per byte" in out
     assert max(len(line) for line in out.splitlines()) <= 100
 
 
+def test_the_fastest_read_is_named_as_the_cache(capsys):
+    timing = fake_timing(mha.Ceilings(40e9, 120e9), slower=2.0)
+    timing.reads[4][1] /= 3                               # GQA-4 at 512 tokens: 120 GB/s, from the caches
+    mha.print_decode_table(timing, [])
+    out = capsys.readouterr().out
+    assert "40.0 GB/s for MHA's 268 MB at 8192 tokens, from memory;" in out
+    assert "up to 120 GB/s for GQA-4's 2.1 MB at 512 tokens, from the CPU's caches" in out
+
+
 def test_a_busy_machine_is_said_and_drawn(capsys):
-    ceilings = mha.Ceilings(40e9, 160e9)
-    times = fake_times(ceilings, mha.DECODE_CONTEXTS)
-    times[1] = [t * 30 for t in times[1]]
-    problems = mha.timing_contradictions(times, ceilings)
-    mha.print_decode_table(times, ceilings, problems)
+    timing = fake_timing(mha.Ceilings(40e9, 160e9))
+    timing.steps[1] = [t * 30 for t in timing.steps[1]]
+    problems = mha.timing_contradictions(timing)
+    mha.print_decode_table(timing, problems)
     out = capsys.readouterr().out
     assert "NOT TRUSTWORTHY, the machine was busy while timing: MQA is slower than GQA-4" in out
     assert "Memory-bound here" not in out
-    fig = mha.plot_decode_time(times, ceilings, problems)
+    fig = mha.plot_decode_time(timing, problems)
     assert any("NOT TRUSTWORTHY" in t.get_text() for t in fig.texts)
 
 
 def test_the_decode_figure_builds_from_a_fake_measurement():
-    """Two panels: time against context with the roofline floors, and the roofline with the four dots."""
-    ceilings = mha.Ceilings(40e9, 160e9)
-    times = fake_times(ceilings, mha.DECODE_CONTEXTS)
-    fig = mha.plot_decode_time(times, ceilings, [])
-    left, right = fig.axes
+    """Three panels: time against context with the floors, read rate against bytes, the roofline with four dots."""
+    timing = fake_timing(mha.Ceilings(40e9, 160e9))
+    timing.reads[1][0] /= 2                               # MQA at 256 tokens: read at 80 GB/s
+    fig = mha.plot_decode_time(timing, [])
+    left, middle, right = fig.axes
     assert len(left.lines) == 8 and not any("NOT TRUSTWORTHY" in t.get_text() for t in fig.texts)
+    assert [list(line.get_ydata()) for line in middle.lines][3][:2] == [80.0, 40.0]
     dots = [line for line in right.lines if line.get_marker() == "o"]
     assert [d.get_xdata()[0] for d in dots] == [0.5, 2.0, 4.0, 16.0]
     for d, kv in zip(dots, (32, 8, 4, 1)):       # each dot at its measured GFLOP/s: floor's rate / 1.5
-        floor = mha.decode_roofline(kv, 8192, ceilings)[0]
+        floor = timing.floor(kv, 8192)[0]
         assert d.get_ydata()[0] == pytest.approx(mha.decode_flops(32, 128, 8192) / (1.5 * floor) / 1e9)
-    assert "H100" in " ".join(right.get_legend_handles_labels()[1])
+    labels = " ".join(right.get_legend_handles_labels()[1])
+    assert "H100" in labels and "from the CPU's caches: up to 80 GB/s" in labels
     assert mha.png_bytes(fig)[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_measure_decode_on_tiny_contexts():
-    """The measurement runs and returns one time per context and plausible ceilings."""
-    times, ceilings = mha.measure_decode(contexts=(16, 32), kv_heads=(32, 1), rounds=1)
-    assert list(times) == [32, 1] and all(len(row) == 2 and min(row) > 0 for row in times.values())
-    assert 1e8 < ceilings.bandwidth < 1e13 and 1e8 < ceilings.flops < 1e14
+    """The measurement runs, sorts its contexts and returns one time and one read per context."""
+    timing = mha.measure_decode(contexts=(32, 16, 32), kv_heads=(32, 1), rounds=2)
+    assert timing.contexts == (16, 32) and timing.rounds == 2 and timing.scatter >= 1.0
+    for table in (timing.steps, timing.reads):
+        assert list(table) == [32, 1] and all(len(row) == 2 and min(row) > 0 for row in table.values())
+    assert 1e8 < timing.memory().bandwidth < 1e13 and 1e8 < timing.flops < 1e14
 
 
 @pytest.mark.parametrize("n, label", [(512, "512"), (1024, "1k"), (8192, "8k"), (1000, "1,000"), (2000, "2,000"),

@@ -1,13 +1,13 @@
 """The script as a user runs it: output, figures, errors, and no side effects on import."""
 
 import errno
-import gc
 import os
 import re
 import subprocess
 import sys
 
 import pytest
+import torch
 
 import mha
 
@@ -29,8 +29,6 @@ def run_main(argv, capsys):
         code = mha.main(argv)
     except SystemExit as e:
         code = e.code
-    finally:
-        gc.unfreeze()                      # main() froze this process's objects; give them back
     out, err = capsys.readouterr()
     return code, out, err
 
@@ -184,6 +182,17 @@ def test_bad_flag_from_the_shell_exits_2_without_traceback(tmp_path):
     ("DECODE_ROUNDS", 0, ["DECODE_ROUNDS=0"]),
     ("LLAMA_KV_HEADS", (32, 6), ["n_kv_heads=6", "positive divisor of n_heads=32"]),
     ("LLAMA_KV_HEADS", (8, 1), ["must include LLAMA_HEADS=32"]),
+    ("N_HEADS", 1, ["N_HEADS=1", "at least 2", "swaps query heads 0 and 1"]),
+    ("N_HEADS", 128, ["N_HEADS=128", "at most 64"]),
+    ("SEQ_LEN", 10**6, ["SEQ_LEN=1000000", "at most 512"]),
+    ("D_MODEL", 2**20, ["D_MODEL=1048576", "at most 4096"]),
+    ("GPU_CACHE_GB", float("inf"), ["GPU_CACHE_GB=inf", "finite"]),
+    ("GPU_CACHE_GB", float("nan"), ["GPU_CACHE_GB=nan", "finite"]),
+    ("GPU_CACHE_GB", 0, ["GPU_CACHE_GB=0", "positive"]),
+    ("DECODE_CONTEXTS", (10**7,), ["DECODE_CONTEXTS up to 10,000,000 tokens", "460.8 GB", "at most 4 GB"]),
+    ("MATMUL_N", 0, ["MATMUL_N=0", "at least 1"]),
+    ("PUBLISHED_MODELS", {"Odd-7B": (32, 32, 3, 128)}, ["n_kv_heads=3", "positive divisor of n_heads=32"]),
+    ("PUBLISHED_MODELS", {"Odd-7B": (32.5, 32, 8, 128)}, ["layers of Odd-7B", "32.5"]),
     ("CACHE_TOKENS", "4k", ["CACHE_TOKENS", "'4k'"]),
 ])
 def test_a_knob_that_cannot_work_is_refused_at_start(knob, value, words, monkeypatch, tmp_path, capsys):
@@ -212,9 +221,10 @@ def test_why_one_token_is_refused(monkeypatch, capsys):
 
 
 def out_dir_error(target, capsys, early=True):
-    """The one-line error of a run into target; early: found before anything was computed or printed."""
+    """The one-line error of a run into target; early: found with the flags, before anything was computed
+    or printed, so it exits 2 as a bad flag does; late: found when the figures are written, exit 1."""
     code, out, err = run_main(["--out-dir", str(target)], capsys)
-    assert code == 1 and (out == "") == early, out
+    assert code == (2 if early else 1) and (out == "") == early, out
     assert len(err.strip().splitlines()) == 1 and err.startswith("mha.py: error: "), err
     return err
 
@@ -254,7 +264,23 @@ def test_an_out_dir_too_long_for_the_figures_paths(tmp_path, capsys):
     assert len(target) == limit - 10                           # "/attention_maps.png" does not fit after it
     err = out_dir_error(target, capsys)
     assert "File name too long" in err, err
-    assert not any(files for _, _, files in os.walk(tmp_path))
+    assert os.listdir(tmp_path) == []                          # the folders it made to try are gone again
+
+
+def test_a_new_out_dir_is_made_only_when_the_figures_are_written(tmp_path, capsys, monkeypatch):
+    """Checking a new nested --out-dir leaves the disk as it was; a failed write removes what it made."""
+    target = tmp_path / "new" / "figures"
+    assert mha.out_dir_problem(str(target), mha.FIGURES) is None and os.listdir(tmp_path) == []
+
+    def no_space(src, dst):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), dst)
+
+    monkeypatch.setattr(mha.os, "replace", no_space)
+    assert not mha.write_figures("mha.py", str(target), {"a.png": b"a"})
+    assert "No space left on device; nothing was written" in capsys.readouterr().err
+    assert os.listdir(tmp_path) == []
+    monkeypatch.undo()
+    assert mha.write_figures("mha.py", str(target), {"a.png": b"a"}) and os.listdir(target) == ["a.png"]
 
 
 def test_a_full_disk_writes_nothing(tmp_path, monkeypatch, capsys):
@@ -439,10 +465,22 @@ def test_try_repeat_instead_of_repeat_interleave(capsys, tmp_path):
 
 
 def test_try_projecting_batch_major(capsys, tmp_path):
+    """The edited check FAILs exactly when the two layouts round differently on this CPU: measured here.
+
+    They do on AMD EPYC (MKL's path there, and MKL_CBWR=COMPATIBLE anywhere): 2.38e-07. They agree on
+    Intel Xeon with AVX-512, where the edited check still reads 0.0.
+    """
     m = edited_copy("self.in_proj(x.transpose(0, 1))", "self.in_proj(x).transpose(0, 1)", tmp_path)
-    assert not m.run_checks(4, 0)
+    ref, x = m.demo_reference(0)
+    proj = m.CausalMHA.from_torch(ref).in_proj
+    with torch.no_grad():
+        layouts_agree = torch.equal(proj(x).transpose(0, 1), proj(x.transpose(0, 1)))   # (T, B, 3d) both
+    ok = m.run_checks(4, 0)
     diff = float(line_with(capsys.readouterr().out, "MHA   max |ours").split("= ")[1].split()[0])
-    assert 0 < diff < 1e-6                     # a few units in the last place: 2.38e-07 with AVX2 kernels
+    if layouts_agree:
+        assert ok and diff == 0.0
+    else:
+        assert not ok and 0 < diff < 1e-6     # a few units in the last place
 
 
 def test_try_a_longer_context(capsys, tmp_path):
@@ -455,34 +493,6 @@ def test_try_a_longer_context(capsys, tmp_path):
     assert line_with(out, "Llama-2-7B").split()[-1] == "9"          # 18 requests at 4096 tokens
 
 
-def test_render_pngs_gives_the_bytes_of_drawing_each_in_turn():
-    from matplotlib.figure import Figure
-
-    def draw(n):
-        fig = Figure(figsize=(2, 2))
-        fig.subplots().plot(range(n))
-        return fig
-
-    draws = {f"f{n}.png": (lambda n=n: draw(n)) for n in (2, 3, 4, 5)}
-    assert mha.render_pngs(draws) == {name: mha.png_bytes(d()) for name, d in draws.items()}
-
-
-def test_render_pngs_survives_a_failing_copy():
-    """If the forked copy cannot render its half, the parent renders it itself."""
-    from matplotlib.figure import Figure
-    parent = os.getpid()
-
-    def only_here():
-        if os.getpid() != parent:
-            raise RuntimeError("the forked copy fails")
-        fig = Figure(figsize=(2, 2))
-        fig.subplots().plot([1, 3, 2])
-        return fig
-
-    pngs = mha.render_pngs({"a.png": only_here, "b.png": only_here})
-    assert list(pngs) == ["a.png", "b.png"] and pngs["a.png"] == pngs["b.png"] == mha.png_bytes(only_here())
-
-
 def test_ctrl_c_ends_in_one_line_and_exit_130(capsys, monkeypatch):
     def interrupted():
         raise KeyboardInterrupt
@@ -492,3 +502,39 @@ def test_ctrl_c_ends_in_one_line_and_exit_130(capsys, monkeypatch):
         mha.run_as_script(interrupted)
     assert e.value.code == 130
     assert capsys.readouterr().err == "\nmha.py: interrupted\n"
+
+
+def test_a_closed_stdout_is_one_line(tmp_path):
+    """python mha.py >&- : one line on stderr, exit 1, nothing written."""
+    r = subprocess.run([sys.executable, SCRIPT, "--out-dir", str(tmp_path)], check=False, stdout=subprocess.DEVNULL,
+                       stderr=subprocess.PIPE, text=True, timeout=300, preexec_fn=lambda: os.close(1))
+    assert r.returncode == 1 and r.stderr == "mha.py: error: standard output is closed\n", r.stderr
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_full_stdout_is_one_line(tmp_path):
+    """python mha.py > /dev/full : one line naming the cause, exit 1, no traceback."""
+    with open("/dev/full", "w") as full:
+        r = subprocess.run([sys.executable, SCRIPT, "--out-dir", str(tmp_path)], check=False, stdout=full,
+                           stderr=subprocess.PIPE, text=True, timeout=300)
+    assert r.returncode == 1, r.stderr
+    assert r.stderr == "mha.py: error: cannot write to standard output: No space left on device\n", r.stderr
+
+
+def test_a_folder_name_the_terminal_cannot_encode(tmp_path):
+    """PYTHONIOENCODING=ascii and a non-ASCII --out-dir: the run completes and shows the name escaped."""
+    target = tmp_path / "figures-\u00e9t\u00e9"
+    env = dict(os.environ, PYTHONIOENCODING="ascii")
+    r = subprocess.run([sys.executable, SCRIPT, "--out-dir", str(target)], check=False, capture_output=True,
+                       timeout=300, env=env)
+    assert r.returncode == 0 and r.stderr == b"", r.stderr.decode()
+    assert b"figures-\\xe9t\\xe9" in r.stdout and sorted(os.listdir(target)) == sorted(FIGURES)
+
+
+def test_another_oserror_is_not_blamed_on_stdout(capsys, monkeypatch):
+    def failing():
+        raise OSError(errno.EACCES, "something else")
+
+    monkeypatch.setattr(sys, "argv", ["mha.py"])
+    with pytest.raises(OSError, match="something else"):
+        mha.run_as_script(failing)
