@@ -3,54 +3,65 @@ What grouped-query (GQA) and multi-query (MQA) attention cost in quality, measur
 
 mha.py measures what sharing K/V heads saves (bytes, decode time). This file measures what it costs: it
 trains a tiny character-level language model built around mha.CausalMHA on Python's own documentation and
-reports validation loss in bits per character.
+reports validation loss in bits per character, with a 95 % confidence interval for every comparison.
 
 What this file shows, top to bottom:
   1. The data: the text of pydoc_data.topics, shipped with CPython (no download), split by position into
      training text and validation text (the last VAL_FRACTION of it).
   2. The model: pre-LayerNorm transformer blocks (attention, then an MLP), learned positions, 8 query heads.
+  3. Paired differences and their 95 % intervals (Student's t), from which every verdict follows.
   A. From scratch: MHA, GQA-4, GQA-2 and MQA, every configuration of a seed starting from the same
      initialisation and seeing the same batches, so the differences to MHA are paired by seed.
   B. Conversion (Ainslie et al. 2023, section 2.1): each trained MHA becomes GQA/MQA by mean-pooling its
      K/V heads (or keeping each group's first head, or starting them afresh), then trains a little more.
   C. Trained attention maps: every head of a trained MHA on a real passage, and what each head attends to.
+  D. Head ablation (Michel et al. 2019): how much the trained MHA needs each head, how many can go, and
+     whether C's roles predict it.
   Figures: figures/quality.png and figures/trained_attention_maps.png.
   The models train in WORKERS processes side by side, one thread each (the section before main() says why).
 
 What it deliberately does not do: claim the cost at scale. The model is tiny (d=64, two layers) and trained
-for minutes, so its numbers are about this scale only, and at the default 1000 steps the seed spread is as
-large as the gaps of GQA-4 and GQA-2 (the README also quotes a run with --steps 2500, where MQA's and
-GQA-2's gaps stand clear of it). No dropout, no GPU, no tokenizer, no sampling of text.
+for minutes, so its numbers are about this scale only; and the default run, which fits 6 minutes on 2 cores,
+resolves none of the costs from scratch (their 95 % intervals include zero): the longer run below resolves
+MQA's. No dropout, no GPU, no tokenizer, no sampling of text.
 
 Run it:   python quality.py                 (about 5 minutes on 2 CPU cores; writes figures/)
-          python quality.py --steps 2500    (the longer run the README quotes, about 13 minutes)
+          python quality.py --steps 2500    (the longer run, about 13 minutes)
 
 Papers: Vaswani et al. 2017, "Attention Is All You Need", arXiv:1706.03762.
         Shazeer 2019, "Fast Transformer Decoding: One Write-Head Is All You Need", arXiv:1911.02150.
         Ainslie et al. 2023, "GQA: Training Generalized Multi-Query Transformer Models from Multi-Head
         Checkpoints", arXiv:2305.13245.
+        Michel, Levy and Neubig 2019, "Are Sixteen Heads Really Better than One?", arXiv:1905.10650.
 
 Shapes, the alphabet of mha.py: B batch, T characters in a window, d model width, h query heads, kv K/V
 heads, dh = d / h head width; and V, the number of distinct characters (the vocabulary).
 """
 
 import argparse
+import concurrent.futures
 import copy
+import ctypes
 import hashlib
 import math
 import multiprocessing
 import os
-import queue
 import signal
 import sys
+import threading
 import time
-import traceback
 
-import torch
-import torch.nn.functional as F
-from torch import nn
+try:                                    # Ctrl-C while torch loads, in the first second: one line, not 39
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
 
-import mha
+    import mha
+except KeyboardInterrupt:
+    if __name__ != "__main__":
+        raise
+    print(f"\n{os.path.basename(sys.argv[0])}: interrupted", file=sys.stderr)
+    sys.exit(130)
 
 # ----------------------------------------------------------------------------- knobs
 D_MODEL = 64          # d: model width
@@ -74,8 +85,9 @@ UPTRAIN_WARMUP = 5    # steps of linear warmup of the further training (the opti
 VAL_FRACTION = 0.1    # the last tenth of the text is validation
 EVAL_WINDOWS = 256    # validation loss is the mean over these many windows, evenly spaced: 16,384 characters
 PASSAGE = 36          # characters of the passage whose attention maps are drawn (C)
+PRUNE_MARKS = (1, 2, 4, 8, 12)         # D: the pruning curve is printed after these many heads are gone
+PRUNE_LIMIT = 0.05    # D: how many heads can go before the loss rises by more than this (bits/char)
 WORKERS = 2           # processes that train models side by side, one torch thread each (see "on both cores")
-SLOW = 3.0            # a stretch of steps this many times slower than the run's fastest is flagged
 PLAIN_EVERY = 5.0     # seconds between progress lines when stderr is not a terminal
 BYTES_PER_NUMBER = 4  # the KV cache of this float32 model
 OUT_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "figures")
@@ -253,12 +265,12 @@ def optimizer(model):
                              lr=LR, betas=(0.9, 0.95))
 
 
-def train(model, data, starts, schedule, progress, label, evaluate_at=()):
+def train(model, data, starts, schedule, evaluate_at=(), tick=None):
     """Train model in place on the windows at starts (steps, B); return {step: validation bits/char}.
 
     schedule(step, steps) gives each step's learning rate. Validation is measured before the steps listed
-    in evaluate_at (a step equal to len(starts) means after the last). progress.step() hears of every step:
-    a Progress line here, or in a worker a Report that sends it to the main process's line.
+    in evaluate_at (a step equal to len(starts) means after the last). tick(), if given, is called after
+    every step with the step's seconds: in a worker it counts the step for the progress line.
     """
     steps, opt, curve = len(starts), optimizer(model), {}
     model.train()
@@ -276,7 +288,8 @@ def train(model, data, starts, schedule, progress, label, evaluate_at=()):
         loss.backward()
         nn.utils.clip_grad_norm_(model.parameters(), CLIP)
         opt.step()
-        progress.step(label, step + 1, steps, loss.item(), time.perf_counter() - t0)
+        if tick:
+            tick(time.perf_counter() - t0)
     return curve
 
 
@@ -292,75 +305,26 @@ def evaluate(model, data):
     return total / EVAL_WINDOWS
 
 
-# ----------------------------------------------------------------------------- the progress line
-def clock(seconds):
-    """clock(75.3) == '1:15'."""
-    return f"{int(seconds) // 60}:{int(seconds) % 60:02d}"
+# ----------------------------------------------------------------------------- paired differences, 95 % intervals
+# Every comparison here is paired: two models of one seed share their initialisation and every batch, so
+# their difference on the same validation windows cancels most of what the seed alone decides. Over n
+# seeds the differences have a mean and a standard deviation sd, and the mean's 95 % confidence interval
+# is   mean +/- t(0.975, n - 1) * sd / sqrt(n)   (Student's t: with few seeds, sd is itself uncertain).
+# With 3 seeds t is 4.303, so the mean must stand 2.5 sd clear of zero; with 1 seed there is no sd at all.
+
+T_975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262,
+         10: 2.228, 12: 2.179, 15: 2.131, 20: 2.086, 30: 2.042, 60: 2.000, 120: 1.980}   # df: t(0.975, df)
 
 
-class Progress:
-    """One line on stderr: what trains, its step and loss, the time so far and left, and a warning if slow.
+def t_975(df):
+    """The 0.975 quantile of Student's t with df degrees of freedom, from the table above.
 
-    On a terminal the line is rewritten in place; otherwise (a pipe, a file) a plain line is written every
-    PLAIN_EVERY seconds. The pace is watched in stretches of 10 training steps: a stretch SLOW times slower
-    than the fastest so far means another process is using the cores, and the line says so.
+    Between two rows it takes the smaller df, whose t is larger: the interval is then a little too wide,
+    never too narrow. t_975(2) == 4.303, t_975(11) == 2.228 (the exact value is 2.201).
     """
-
-    def __init__(self, total_steps, stream=sys.stderr):
-        self.total, self.done, self.stream = total_steps, 0, stream
-        self.tty = stream.isatty()
-        self.start = self.last_print = time.perf_counter()
-        self.first = None                                  # when the first step began (workers start slowly)
-        self.stretch = []                                  # seconds of the steps of the current stretch
-        self.fastest = self.slowest = None                 # seconds per step, over whole stretches
-        self.slowdown = 1.0                                # the last stretch against the fastest
-        self.width = 0
-
-    def step(self, label, step, steps, loss, seconds):
-        self.done += 1
-        self.first = self.first or time.perf_counter() - seconds
-        self.stretch.append(seconds)
-        if len(self.stretch) == 10:
-            pace = sum(self.stretch) / 10
-            self.stretch = []
-            self.fastest = min(pace, self.fastest or pace)
-            self.slowest = max(pace, self.slowest or pace)
-            self.slowdown = pace / self.fastest
-        now = time.perf_counter()
-        if now - self.last_print < (0.2 if self.tty else PLAIN_EVERY):
-            return
-        self.last_print = now
-        elapsed = now - self.start
-        left = (now - self.first) / self.done * (self.total - self.done)
-        line = (f"{label:<22} step {step:>5}/{steps:<5} loss {loss:5.3f} bits/char  elapsed {clock(elapsed)}  "
-                f"left ~{clock(left)}")
-        if self.slowdown >= SLOW:
-            line += f"  SLOW: steps take {self.slowdown:.0f}x as long as earlier in this run (cores busy?)"
-        if self.tty:
-            self.stream.write("\r" + line.ljust(self.width))
-            self.width = len(line)
-        else:
-            self.stream.write(line + "\n")
-        self.stream.flush()
-
-    def clear(self):
-        """Remove the rewritten line before the tables are printed to the same terminal."""
-        if self.tty and self.width:
-            self.stream.write("\r" + " " * self.width + "\r")
-            self.stream.flush()
-            self.width = 0
-
-    def summary(self):
-        """The wall time, and the fastest and slowest pace, so that a busy machine shows in the output."""
-        minutes = (time.perf_counter() - self.start) / 60
-        text = f"time: {minutes:.1f} min, {WORKERS} worker{'s' * (WORKERS > 1)} of 1 thread"
-        if self.fastest:
-            text += (f"; a training step took {self.fastest * 1e3:.0f} ms at the fastest, "
-                     f"{self.slowest * 1e3:.0f} ms at the slowest (means over stretches of 10 steps)")
-        return text
+    return T_975[max(k for k in T_975 if k <= df)]
 
 
-# ----------------------------------------------------------------------------- A. from scratch
 def average(values):
     """The mean over seeds, sum / n: one definition, so every table and panel rounds alike."""
     return sum(values) / len(values)
@@ -374,26 +338,41 @@ def spread(values):
     return math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1))
 
 
-def pm(values, sign=""):
-    """'2.538 +/- 0.034' (mean and spread over seeds), or '2.538' with one seed; sign="+" shows the sign."""
-    mean, s = average(values), spread(values)
-    return f"{mean:{sign}.3f} +/- {s:.3f}" if s is not None else f"{mean:{sign}.3f}"
+def interval(values):
+    """The 95 % confidence interval of the mean, (low, high), or None for a single value.
+
+    interval([0.1, 0.2, 0.3]) == (0.2 - 4.303 * 0.1 / sqrt(3), 0.2 + ...) == (-0.048, 0.448), rounded.
+    """
+    if len(values) < 2:
+        return None
+    half = t_975(len(values) - 1) * spread(values) / math.sqrt(len(values))
+    return average(values) - half, average(values) + half
 
 
-def verdict(diffs):
-    """The paired difference to MHA against its spread over seeds, in words."""
-    mean, s = average(diffs), spread(diffs)
-    if s is None:
-        return "one seed: no spread to judge noise by"
-    if abs(mean) <= s:
-        return "within noise"
-    return f"{'worse' if mean > 0 else 'better'} than MHA, {abs(mean) / max(s, 1e-12):.1f}x the spread"
+def paired(values):
+    """'+0.031 [-0.029, +0.091]': the mean paired difference and its 95 % interval ('+0.031' for one seed)."""
+    ci = interval(values)
+    text = f"{average(values):+.3f}"
+    return text if ci is None else text + f" [{ci[0]:+.3f}, {ci[1]:+.3f}]"
 
 
+def verdict(diffs, worse="worse than MHA", better="better than MHA"):
+    """What the 95 % interval of the paired differences allows one to say, in words."""
+    ci = interval(diffs)
+    if ci is None:
+        return "one seed: cannot judge"
+    if ci[0] > 0:
+        return worse
+    if ci[1] < 0:
+        return better
+    return "not resolved at this budget"
+
+
+# ----------------------------------------------------------------------------- A. from scratch
 def run_from_scratch(data, seeds, steps, workers):
     """Train every configuration of every seed. Returns {seed: {config: (model, final bits/char, curve)}}."""
     tasks = [(name, seed, steps) for name in CONFIGS for seed in seeds]    # the longest (MHA) first
-    done = workers.run(train_from_scratch, tasks)
+    done = workers.run("A. from scratch", [(train_from_scratch, task) for task in tasks])
     results = {seed: {} for seed in seeds}
     for (name, seed, _), (weights, curve) in zip(tasks, done):
         model = CharLM(len(data.chars), CONFIGS[name])
@@ -408,49 +387,54 @@ def train_from_scratch(name, seed, steps):
     data = WORKER["data"]
     model = fresh_models(len(data.chars), seed)[name]
     marks = {round(steps * k / 8) for k in range(9)}       # validation along the way, for the gap along training
-    curve = train(model, data, data.batches(seed, steps), lr_at, WORKER["report"], f"A {name} seed {seed}",
-                  evaluate_at=marks)
+    curve = train(model, data, data.batches(seed, steps), lr_at, evaluate_at=marks, tick=WORKER["tick"])
     return model.state_dict(), curve
 
 
 def print_table_a(results, steps):
     seeds = list(results)
     print(f"\nA. From scratch: {steps} steps, {len(seeds)} seed{'s' * (len(seeds) > 1)} "
-          f"({', '.join(map(str, seeds))}); validation bits/char, mean +/- standard deviation over seeds")
-    print("   paired: each seed's configurations share their initialisation and every batch")
-    print(f"   {'config':<7}{'K/V heads':>10}{'params':>9}{'KV bytes/token':>16}{'val bits/char':>22}"
-          f"{'minus MHA, paired':>24}  verdict")
+          f"({', '.join(map(str, seeds))}); validation bits/char, mean and standard deviation over seeds")
+    print("   paired: each seed's configurations share their initialisation and every batch; the difference to "
+          "MHA\n   is its mean over seeds and, in brackets, the 95% confidence interval of that mean")
+    print(f"   {'config':<7}{'K/V heads':>10}{'params':>9}{'KV bytes/token':>16}{'mean':>8}{'sd':>7}"
+          f"   {'minus MHA, paired [95% interval]':<33} verdict")
     for name, kv in CONFIGS.items():
         model = results[seeds[0]][name][0]
         losses = [results[s][name][1] for s in seeds]
+        sd = spread(losses)
         diffs = [results[s][name][1] - results[s]["MHA"][1] for s in seeds]
-        paired = "" if name == "MHA" else pm(diffs, "+")
-        judged = "" if name == "MHA" else verdict(diffs)
-        print(f"   {name:<7}{kv:>10}{n_params(model):>9,}{cache_bytes_per_token(model):>16,}{pm(losses):>22}"
-              f"{paired:>24}  {judged}".rstrip())
+        compared = "" if name == "MHA" else f"{paired(diffs):<33} {verdict(diffs)}"
+        print(f"   {name:<7}{kv:>10}{n_params(model):>9,}{cache_bytes_per_token(model):>16,}{average(losses):>8.3f}"
+              f"{'' if sd is None else f'{sd:.3f}':>7}   {compared}".rstrip())
 
 
 # ----------------------------------------------------------------------------- B. conversion
-def run_conversion(scratch, steps, workers):
-    """Convert each seed's trained MHA to every smaller configuration with every pool, and train on.
+def run_conversion(scratch, steps, workers, ablated_seed):
+    """Convert each seed's trained MHA to every smaller configuration with every pool, and train on; and
+    meanwhile, on the same workers, table D's ablation of ablated_seed's trained MHA.
 
-    Returns {seed: {(config, pool): {step: bits/char}}}, steps counted from the conversion. The further
-    training sees the batches that come after the original steps in the seed's data order, the same for
-    every conversion of a seed; ("MHA", "none") is the trained MHA itself, trained on the same way.
+    Returns {seed: {(config, pool): {step: bits/char}}}, steps counted from the conversion, and what
+    head_ablation returns. The further training sees the batches that come after the original steps in the
+    seed's data order, the same for every conversion of a seed; ("MHA", "none") is the trained MHA itself,
+    trained on the same way.
     """
     targets = [("MHA", "none")] + [(n, p) for n in CONFIGS if n != "MHA" for p in POOLS]
     tasks = [(name, pool, seed, steps, runs["MHA"][0].state_dict())
              for seed, runs in scratch.items() for name, pool in targets]
-    done = workers.run(convert_and_train, tasks)
+    ablation = (ablate_heads, (scratch[ablated_seed]["MHA"][0].state_dict(),))
+    ablated, *done = workers.run("B. conversion", [ablation] + [(convert_and_train, task) for task in tasks])
     curves = {seed: {} for seed in scratch}
     for (name, pool, seed, _, _), curve in zip(tasks, done):
         curves[seed][name, pool] = curve
-    return curves, uptrain_steps(steps)
+    return curves, ablated
 
 
 def uptrain_steps(steps):
-    """The further training after conversion, in steps: UPTRAIN of the original steps, at least 1 each."""
-    return [max(1, round(f * steps)) for f in UPTRAIN]
+    """The further training after conversion, in steps: UPTRAIN of the original steps, at least 1 and 2, so
+    that the two columns of table B are never the same evaluation (--steps 4: 1 and 2)."""
+    first = max(1, round(UPTRAIN[0] * steps))
+    return [first, max(first + 1, round(UPTRAIN[1] * steps))]
 
 
 def convert_and_train(name, pool, seed, steps, mha_weights):
@@ -460,33 +444,30 @@ def convert_and_train(name, pool, seed, steps, mha_weights):
     trained.load_state_dict(mha_weights)
     model = trained if pool == "none" else with_kv_heads(trained, CONFIGS[name], pool, seed)
     starts = data.batches(seed, steps + up[-1])[steps:]
-    return train(model, data, starts, uptrain_lr_at, WORKER["report"], f"B {name} {pool} seed {seed}",
-                 evaluate_at={0, *up})
+    return train(model, data, starts, uptrain_lr_at, evaluate_at={0, *up}, tick=WORKER["tick"])
 
 
-def print_table_b(curves, scratch, steps, up):
-    seeds = list(curves)
+def print_table_b(curves, scratch, steps):
+    seeds, up = list(curves), uptrain_steps(steps)
     print(f"\nB. Conversion of each trained MHA (Ainslie et al. 2023, section 2.1), then further training at "
           f"lr {UPTRAIN_LR:g}\n   validation bits/char, mean over {len(seeds)} seed{'s' * (len(seeds) > 1)}; "
-          f"+{UPTRAIN[0]:.0%} = {up[0]} steps, +{UPTRAIN[1]:.0%} = {up[1]} steps more than the {steps} of A")
+          f"+{UPTRAIN[0]:.0%} = {up[0]} step{'s' * (up[0] > 1)}, +{UPTRAIN[1]:.0%} = {up[1]} steps more than "
+          f"the {steps} of A")
     print(f"   {'config':<7}{'K/V from':<13}{'right after':>12}{f'+{UPTRAIN[0]:.0%}':>8}{f'+{UPTRAIN[1]:.0%}':>8}"
           f"{'from scratch (A)':>18}")
-
     for (name, pool) in curves[seeds[0]]:
         cells = "".join(f"{average([curves[s][name, pool][k] for s in seeds]):>{w}.3f}"
                         for k, w in ((0, 12), (up[0], 8), (up[1], 8)))
         scratch_loss = average([scratch[s][name][1] for s in seeds])
         label = "(trained)" if pool == "none" else pool + (" pool" if pool == "mean" else "")
         print(f"   {name:<7}{label:<13}{cells}{scratch_loss:>18.3f}")
-    # Two findings of Ainslie et al. (their Figure 4), checked against the numbers above.
-    targets = [n for n in CONFIGS if n != "MHA"]
-    beats = {n: average([curves[s][n, "mean"][0] for s in seeds]) < average([curves[s][n, "random"][0] for s in seeds])
-             for n in targets}
-    gap = average([curves[s][n, "first"][up[1]] - curves[s][n, "mean"][up[1]] for s in seeds for n in targets])
-    print(f"   right after conversion, mean pool beats random K/V for every target: "
-          f"{'yes' if all(beats.values()) else 'NO (' + ', '.join(n for n, b in beats.items() if not b) + ')'}")
-    print(f"   after +{UPTRAIN[1]:.0%}, mean pool beats first head on average over targets and seeds: "
-          f"{'yes' if gap > 0 else 'NO'}, by {gap:+.3f} bits/char")
+    # Two findings of Ainslie et al. (their Figure 4), each a paired difference by seed, with its interval.
+    for title, column, other in (("right after conversion", 0, "random"), (f"after +{UPTRAIN[1]:.0%}", up[1], "first")):
+        print(f"   mean pool minus {other} {'K/V' if other == 'random' else 'head'}, {title}, paired by seed "
+              "[95% interval]:")
+        for name in (n for n in CONFIGS if n != "MHA"):
+            diffs = [curves[s][name, "mean"][column] - curves[s][name, other][column] for s in seeds]
+            print(f"      {name:<7}{paired(diffs):<28}{verdict(diffs, 'mean pool worse', 'mean pool better')}")
 
 
 # ----------------------------------------------------------------------------- C. trained attention maps
@@ -536,6 +517,13 @@ def head_roles(model, data):
     return roles, chance
 
 
+def strongest(roles, chance, layer, head):
+    """The kind of key a head favours most, as a multiple of uniform attention's level: ('itself', 7.7)."""
+    ratios = {r: roles[r][layer, head].item() / chance[r] for r in roles}
+    top = max(ratios, key=ratios.get)
+    return top, ratios[top]
+
+
 def print_table_c(roles, chance, seed):
     prev = roles["previous"]
     layer, head = divmod(int(prev.argmax()), N_HEADS)
@@ -546,13 +534,114 @@ def print_table_c(roles, chance, seed):
     print((f"   {'uniform':>10}" + "".join(f"{chance[r]:>11.0%} " for r in roles)).rstrip())
     for i in range(N_LAYERS):
         for j in range(N_HEADS):
-            ratios = {r: roles[r][i, j].item() / chance[r] for r in roles}
-            top = max(ratios, key=ratios.get)
+            top, ratio = strongest(roles, chance, i, j)
             print(f"   {i:>5}{j:>5}" + "".join(f"{roles[r][i, j].item():>11.0%} " for r in roles)
-                  + f"  {top}, {ratios[top]:.1f}x uniform")
+                  + f"  {top}, {ratio:.1f}x uniform")
     print(f"   most previous-character-like: layer {layer} head {head}, {prev[layer, head]:.0%} of its attention "
           "on the character just before")
     return layer, head
+
+
+# ----------------------------------------------------------------------------- D. head ablation
+# Michel, Levy and Neubig (2019) silence heads of a trained model at test time and find that many can go
+# with little loss: the number of heads is not a measure of what the model needs. Table C tells a story
+# about each head; here the model is asked how much it needs each one. Evaluations only, no training.
+
+def without_heads(model, heads):
+    """A copy of model with every (layer, head) in heads silenced: its output zeroed before out_proj.
+
+    out_proj sees the heads side by side, o = [o_0 | o_1 | ... | o_7] (each dh wide), so
+    out_proj(o) = W o + b = W[:, 0:dh] o_0 + W[:, dh:2dh] o_1 + ... + b: zeroing head j's dh columns of W is
+    the same as zeroing o_j (Michel et al.'s mask of 0), or as removing o_j and its columns altogether.
+    """
+    new = copy.deepcopy(model)
+    dh = D_MODEL // N_HEADS
+    with torch.no_grad():
+        for layer, head in heads:
+            new.blocks[layer].attn.out_proj.weight[:, head * dh:(head + 1) * dh] = 0.0   # W: (d, h * dh)
+    return new
+
+
+@torch.no_grad()
+def window_losses(model, data):
+    """Validation bits/char of each of the EVAL_WINDOWS windows, (EVAL_WINDOWS,), so that two models can
+    be compared window by window (paired); their mean is what evaluate() gives, up to rounding."""
+    model.eval()
+    logits = torch.cat([model(data.val_x[i:i + 64]) for i in range(0, EVAL_WINDOWS, 64)])   # (N, T, V)
+    model.train()
+    nats = F.cross_entropy(logits.transpose(1, 2), data.val_y, reduction="none")          # (N, V, T) -> (N, T)
+    return nats.mean(1) / math.log(2)
+
+
+def head_ablation(model, data):
+    """Michel et al.'s test-time ablation of a trained MHA. Returns (base, alone, order, curve):
+
+    base, the intact model's (EVAL_WINDOWS,) window losses; alone[(layer, head)], the (EVAL_WINDOWS,) rise
+    of each window's loss with only that head silenced; order, the heads from the least needed (smallest
+    rise alone) to the most, the order in which Michel et al. prune them; curve[k], the mean loss with the
+    first k heads of order silenced together (curve[0]: intact; one head always stays).
+    """
+    heads = [(i, j) for i in range(N_LAYERS) for j in range(N_HEADS)]
+    base = window_losses(model, data)
+    alone = {hd: window_losses(without_heads(model, [hd]), data) - base for hd in heads}
+    order = sorted(heads, key=lambda hd: alone[hd].mean().item())
+    curve = [base.mean().item()] + [window_losses(without_heads(model, order[:k]), data).mean().item()
+                                    for k in range(1, len(heads))]
+    return base, alone, order, curve
+
+
+def ablate_heads(mha_weights):
+    """head_ablation, as a worker runs it beside the conversions of B."""
+    data = WORKER["data"]
+    model = CharLM(len(data.chars), N_HEADS)
+    model.load_state_dict(mha_weights)
+    return head_ablation(model, data)
+
+
+def heads_that_can_go(curve):
+    """How many heads pruning removes before the loss rises by more than PRUNE_LIMIT."""
+    over = [k for k, loss in enumerate(curve) if loss - curve[0] > PRUNE_LIMIT]
+    return over[0] - 1 if over else len(curve) - 1
+
+
+def rank_correlation(a, b):
+    """Spearman's rank correlation: +1 if b orders the items exactly as a does, -1 if exactly reversed."""
+    ranks = torch.stack([torch.tensor(v).argsort().argsort().double() for v in (a, b)])   # (2, n)
+    return torch.corrcoef(ranks)[0, 1].item()
+
+
+def print_table_d(ablation, roles, chance, seed):
+    base, alone, order, curve = ablation
+    heads = list(alone)
+    rise = {hd: alone[hd].mean().item() for hd in heads}
+    rank = {hd: k + 1 for k, hd in enumerate(sorted(heads, key=rise.get, reverse=True))}
+    print(f"\nD. How much the trained MHA needs each head (seed {seed}; Michel et al. 2019): the loss with one head's "
+          f"output\n   zeroed before out_proj, minus the intact model's {curve[0]:.3f} bits/char, paired on the same "
+          f"{EVAL_WINDOWS} windows;\n   [95% interval] over those windows; rank 1 is the head the model needs most; "
+          "role: table C's strongest")
+    print(f"   {'layer':>5}{'head':>5}   {'loss rise [95% interval]':<27}{'rank':>4}   role (C)")
+    for layer, head in heads:
+        top, ratio = strongest(roles, chance, layer, head)
+        print(f"   {layer:>5}{head:>5}   {paired(alone[layer, head].tolist()):<27}{rank[layer, head]:>4}   "
+              f"{top}, {ratio:.1f}x uniform")
+    marks = [k for k in (0, *PRUNE_MARKS) if k < len(curve)]
+    print("   pruning, the least needed head first (smallest rise alone), the heads gone staying gone:")
+    print("   heads gone  " + "".join(f"{k:>8}" for k in marks))
+    print("   bits/char   " + "".join(f"{curve[k]:>8.3f}" for k in marks))
+    print("   rise        " + "".join(f"{curve[k] - curve[0]:>+8.3f}" for k in marks))
+    print("   order: " + ", ".join(f"{layer}.{head}" for layer, head in order) + "  (layer.head)")
+    can_go = heads_that_can_go(curve)
+    if can_go < len(curve) - 1:
+        print(f"   {can_go} of {len(heads)} heads can go before the loss rises by more than {PRUNE_LIMIT} bits/char; "
+              f"the next takes it to {curve[can_go + 1] - curve[0]:+.3f}")
+    else:
+        print(f"   {can_go} of {len(heads)} heads can go and the loss has not risen by more than {PRUNE_LIMIT} bits/char")
+    prev = roles["previous"]
+    layer, head = divmod(int(prev.argmax()), N_HEADS)
+    sharpness = [strongest(roles, chance, *hd)[1] for hd in heads]
+    print(f"   does C predict D? the most previous-character-like head ({layer}.{head}) ranks {rank[layer, head]} of "
+          f"{len(heads)};\n   rank correlation of a head's 'strongest' multiple of uniform with its loss rise: "
+          f"{rank_correlation(sharpness, [rise[hd] for hd in heads]):+.2f} (Spearman; +1 would be a perfect prediction)")
 
 
 # ----------------------------------------------------------------------------- figures
@@ -560,17 +649,21 @@ COLORS = {"MHA": "tab:red", "GQA-4": "tab:green", "GQA-2": "tab:purple", "MQA": 
 POOL_STYLE = {"mean": "-", "first": "--", "random": ":"}
 
 
-def plot_quality(scratch, curves, steps, up):
-    """Left: loss against KV-cache bytes per token. Middle: the paired gap to MHA along training (does it
-    close with more steps?). Right: conversion curves."""
+def plot_quality(scratch, curves, steps, ablation, roles, chance):
+    """Top: loss against KV-cache bytes per token; the paired gap to MHA along training (does it close with
+    more steps?); conversion curves. Bottom: table D, each head's importance and the pruning curve."""
     seeds = list(scratch)
-    fig = mha.new_figure(16, 5)
-    left, middle, right = fig.subplots(1, 3)
+    several = len(seeds) > 1
+    fig = mha.new_figure(16, 10)
+    grid = fig.add_gridspec(2, 3)
+    left, middle, right = (fig.add_subplot(grid[0, k]) for k in range(3))
+    heads_ax, prune_ax = fig.add_subplot(grid[1, :2]), fig.add_subplot(grid[1, 2])
     for name in CONFIGS:
         b = cache_bytes_per_token(scratch[seeds[0]][name][0])
         losses = [scratch[s][name][1] for s in seeds]
-        mean, s = average(losses), spread(losses) or 0.0
-        left.errorbar([b], [mean], yerr=[s], marker="o", capsize=4, color=COLORS[name], label=name)
+        mean, ci = average(losses), interval(losses)
+        bar = [[mean - ci[0]], [ci[1] - mean]] if ci else None
+        left.errorbar([b], [mean], yerr=bar, marker="o", capsize=4, color=COLORS[name], label=name)
         left.scatter([b] * len(losses), losses, s=8, color=COLORS[name], alpha=0.4)
         left.annotate(name, (b, mean), textcoords="offset points", xytext=(8, 4), fontsize=9)
         if name == "MHA":
@@ -578,11 +671,9 @@ def plot_quality(scratch, curves, steps, up):
             continue
         marks = sorted(k for k in scratch[seeds[0]][name][2] if k > 0)
         gaps = [[scratch[s][name][2][k] - scratch[s]["MHA"][2][k] for s in seeds] for k in marks]  # paired
-        mean = [average(g) for g in gaps]
-        middle.plot(marks, mean, color=COLORS[name], marker="o", ms=3, label=name)
-        if len(seeds) > 1:
-            sd = [spread(g) for g in gaps]
-            middle.fill_between(marks, [m - d for m, d in zip(mean, sd)], [m + d for m, d in zip(mean, sd)],
+        middle.plot(marks, [average(g) for g in gaps], color=COLORS[name], marker="o", ms=3, label=name)
+        if several:
+            middle.fill_between(marks, [interval(g)[0] for g in gaps], [interval(g)[1] for g in gaps],
                                 color=COLORS[name], alpha=0.12, lw=0)
     left.set_xscale("log", base=2)
     ticks = sorted(cache_bytes_per_token(scratch[seeds[0]][n][0]) for n in CONFIGS)
@@ -590,34 +681,65 @@ def plot_quality(scratch, curves, steps, up):
     left.minorticks_off()
     left.set_xlabel("KV cache per token (bytes, float32)")
     left.set_ylabel("validation loss (bits/char)")
-    left.set_title(f"From scratch, {steps} steps: mean +/- sd over {len(seeds)} seed(s), dots = seeds", fontsize=9)
+    shows = "bars: 95% interval of the mean" if several else "one seed"
+    left.set_title(f"From scratch, {steps} steps, {len(seeds)} seed(s): mean, {shows}; dots: seeds", fontsize=9)
     middle.set_xlabel("training step")
     middle.set_ylabel("validation loss minus MHA's, same seed (bits/char)")
-    middle.set_title(f"From scratch: the gap to MHA along training, mean over {len(seeds)} seed(s), "
-                     "band +/- sd", fontsize=9)
+    middle.set_title(f"From scratch: the gap to MHA along training, mean over {len(seeds)} seed(s)"
+                     + (",\nband: its 95% interval (excludes 0: resolved)" if several else ""), fontsize=9)
     middle.legend(fontsize=8)
     for name in CONFIGS:
-        if name == "MHA":
-            pools = ["none"]
-        else:
-            pools = POOLS
-        for pool in pools:
+        for pool in (["none"] if name == "MHA" else POOLS):
             marks = sorted(curves[seeds[0]][name, pool])
             mean = [average([curves[s][name, pool][k] for s in seeds]) for k in marks]
             label = "MHA, not converted" if pool == "none" else f"{name} {pool}"
             right.plot([steps + k for k in marks], mean, color=COLORS[name], ls=POOL_STYLE.get(pool, "-"),
                        marker="o", ms=3, label=label)
-        scratch_mean = average([scratch[s][name][1] for s in seeds])
-        right.axhline(scratch_mean, color=COLORS[name], lw=0.8, alpha=0.6)
+        right.axhline(average([scratch[s][name][1] for s in seeds]), color=COLORS[name], lw=0.8, alpha=0.6)
     right.set_xlabel(f"training steps (the MHA's {steps}, then further training)")
     right.set_ylabel("validation loss (bits/char)")
     right.set_title("Converted from the trained MHA, mean over seeds;\nthin lines: each config from scratch",
                     fontsize=9)
     right.legend(fontsize=7, ncol=2)
+    plot_ablation(heads_ax, prune_ax, ablation, roles, chance, seeds[0])
     fig.suptitle(f"What sharing K/V heads costs: character-level LM on pydoc_data.topics, d={D_MODEL}, "
                  f"{N_HEADS} query heads, {N_LAYERS} layers, T={CONTEXT}, batch {BATCH}", fontsize=11)
     fig.tight_layout()
     return fig
+
+
+ROLE_COLORS = {"previous": "tab:orange", "itself": "tab:olive", "whitespace": "tab:cyan", "word start": "tab:pink"}
+
+
+def plot_ablation(heads_ax, prune_ax, ablation, roles, chance, seed):
+    """Table D: each head's loss rise alone, coloured by its role in table C; the pruning curve."""
+    from matplotlib.patches import Patch
+    base, alone, order, curve = ablation
+    heads = list(alone)
+    for k, hd in enumerate(heads):
+        rise = alone[hd].tolist()
+        low, high = interval(rise)
+        top = strongest(roles, chance, *hd)[0]
+        heads_ax.bar(k, average(rise), color=ROLE_COLORS[top], yerr=[[average(rise) - low], [high - average(rise)]],
+                     capsize=3)
+    heads_ax.legend([Patch(color=c) for c in ROLE_COLORS.values()], [f"strongest in C: {r}" for r in ROLE_COLORS],
+                    fontsize=8)
+    heads_ax.set_xticks(range(len(heads)), [f"{layer}.{head}" for layer, head in heads])
+    heads_ax.axhline(0.0, color="black", lw=0.8)
+    heads_ax.set_xlabel("layer.head")
+    heads_ax.set_ylabel("loss rise with this head silenced (bits/char)")
+    heads_ax.set_title(f"D. Each head of the trained MHA (seed {seed}) silenced alone, paired on {EVAL_WINDOWS} "
+                       "validation windows; bars: 95% interval over those windows", fontsize=9)
+    prune_ax.plot(range(len(curve)), curve, marker="o", ms=3, color="black")
+    prune_ax.axhline(curve[0] + PRUNE_LIMIT, color="tab:red", lw=0.8, ls="--",
+                     label=f"intact + {PRUNE_LIMIT} bits/char")
+    can_go = heads_that_can_go(curve)
+    prune_ax.annotate(f"{can_go} heads can go", (can_go, curve[can_go]), textcoords="offset points",
+                      xytext=(-10, 14), fontsize=8, ha="right")
+    prune_ax.set_xlabel(f"heads silenced together (of {len(heads)}), the least needed alone first")
+    prune_ax.set_ylabel("validation loss (bits/char)")
+    prune_ax.set_title(f"D. Pruning the trained MHA (seed {seed}), head after head", fontsize=9)
+    prune_ax.legend(fontsize=8)
 
 
 def shown(c):
@@ -661,88 +783,73 @@ def plot_trained_maps(model, data, seed, steps, best):
 # ----------------------------------------------------------------------------- on both cores
 # A model this small splits badly over threads: on the 2-core machine this was written on, a training step
 # took 26 ms on two threads and 38 ms on one, while two processes of one thread each, side by side, took
-# 37 ms a step each: 1.4 times the work done per second. So every model trains in a worker process on
-# exactly one thread, WORKERS at a time. A model's numbers depend only on its task (configuration, seed,
-# steps), never on which worker ran it or how many workers there are.
-
-WORKER = {}   # in a worker process: the data, and where its progress goes
-
-
-def work(inbox, outbox):
-    """A worker's life: one thread, the data, then tasks from inbox until it is stopped.
-
-    Everything it says goes to outbox: ("step", ...) for the progress line, ("done", i, result) for task i,
-    or ("failed", traceback) if a task raised, so the main process can stop at once instead of at the end.
-    """
-    signal.signal(signal.SIGINT, signal.SIG_IGN)           # Ctrl-C is the main process's to handle
-    torch.set_num_threads(1)
-    WORKER["data"], WORKER["report"] = Data(load_text()), Report(outbox)
-    while True:
-        i, fn, task = inbox.get()
-        try:
-            outbox.put(("done", i, fn(*task)))
-        except Exception:  # noqa: BLE001 -- whatever it is, the main process raises it with this traceback
-            outbox.put(("failed", traceback.format_exc()))
-
-
-class Report:
-    """Stands in for the progress line inside a worker: train() calls step(), the main process prints."""
-
-    def __init__(self, outbox):
-        self.outbox = outbox
-
-    def step(self, *args):
-        self.outbox.put(("step", *args))
-
-
-class Workers:
-    """n worker processes that run tasks, while the main process keeps the progress line up to date."""
-
-    def __init__(self, n, progress):
-        context = multiprocessing.get_context("spawn")    # a fresh interpreter: no threads or locks inherited
-        self.inbox, self.outbox, self.progress = context.Queue(), context.Queue(), progress
-        self.processes = [context.Process(target=work, args=(self.inbox, self.outbox), daemon=True)
-                          for _ in range(n)]
-        ctrl_c = signal.signal(signal.SIGINT, signal.SIG_IGN)   # a worker is born ignoring Ctrl-C, so one
-        try:                                                     # pressed while it starts cannot reach it
-            for p in self.processes:
-                p.start()
-        finally:
-            signal.signal(signal.SIGINT, ctrl_c)
-
-    def run(self, fn, tasks):
-        """fn(*task) for every task, spread over the workers; the results in the order of the tasks."""
-        for i, task in enumerate(tasks):
-            self.inbox.put((i, fn, task))
-        results = {}
-        while len(results) < len(tasks):
-            for p in self.processes:                       # checked on every message: the others keep talking
-                if not p.is_alive():
-                    raise ChildProcessError(f"a worker process stopped (exit code {p.exitcode}: killed, or "
-                                            "out of memory?) before its models were trained")
-            try:
-                kind, *message = self.outbox.get(timeout=0.5)
-            except queue.Empty:
-                continue
-            if kind == "step":
-                self.progress.step(*message)
-            elif kind == "failed":
-                raise RuntimeError(f"a worker process failed:\n{message[0]}")
-            else:
-                results[message[0]] = message[1]
-        return [results[i] for i in range(len(tasks))]
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        for p in self.processes:                           # idle or not: nothing they hold is needed now
-            p.terminate()
-        for p in self.processes:
-            p.join()
+# 37 ms a step each: 1.4 times the work done per second. So every model trains in a worker process of
+# concurrent.futures.ProcessPoolExecutor on exactly one thread, WORKERS at a time. A model's numbers depend
+# only on its task (configuration, seed, steps), never on which worker ran it or how many workers there are.
+WORKER = {}   # in a worker process: the data, and tick(), which counts a training step for the progress line
 
 
 # ----------------------------------------------------------------------------- main
+def train_everything(args, workers):
+    """The data, then parts A and B (and D's evaluations, beside B) on the workers, each table printed as
+    soon as it is known."""
+    text = load_text()
+    data = Data(text)
+    unigram, bigram = baselines(data)
+    print(f"What GQA and MQA cost in quality: a character-level LM, d={D_MODEL}, {N_HEADS} query heads of "
+          f"width {D_MODEL // N_HEADS}, {N_LAYERS} layers, T={CONTEXT}, batch {BATCH}")
+    print(f"data: {describe_text(text)}")
+    print(f"      train {len(data.train):,} characters, validation {len(data.val):,} (the last "
+          f"{VAL_FRACTION:.0%}); the loss is measured on {EVAL_WINDOWS} windows = {EVAL_WINDOWS * CONTEXT:,} "
+          "characters")
+    print(f"      validation bits/char of a unigram model {unigram:.2f}, of a bigram model {bigram:.2f}")
+    print(f"torch {torch.__version__}, {WORKERS} worker process{'es' * (WORKERS > 1)} of 1 thread each: the same "
+          "seeds give the same numbers to the bit, whatever the number of workers")
+    sys.stdout.flush()
+
+    scratch = run_from_scratch(data, args.seeds, args.steps, workers)
+    print_table_a(scratch, args.steps)
+    sys.stdout.flush()
+
+    curves, ablation = run_conversion(scratch, args.steps, workers, args.seeds[0])
+    print_table_b(curves, scratch, args.steps)
+    return scratch, curves, ablation, data
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    problem = mha.out_dir_problem(args.out_dir, FIGURES)
+    if problem:
+        print(f"quality.py: error: {problem}", file=sys.stderr)
+        return 1
+    torch.set_num_threads(1)                               # tables C and D and the maps, like every model
+    models = len(args.seeds) * len(CONFIGS)
+    conversions = len(args.seeds) * (1 + (len(CONFIGS) - 1) * len(POOLS))
+    progress = Progress(models * args.steps + conversions * uptrain_steps(args.steps)[-1])
+    try:
+        with Workers(progress) as workers:
+            scratch, curves, ablation, data = train_everything(args, workers)
+    except concurrent.futures.process.BrokenProcessPool:
+        progress.clear()
+        print(f"quality.py: error: a worker process stopped (exit code {workers.exit_code()}: killed, or out of "
+              "memory?) before its models were trained; nothing was written", file=sys.stderr)
+        return 1
+
+    trained = scratch[args.seeds[0]]["MHA"][0]
+    roles, chance = head_roles(trained, data)
+    best = print_table_c(roles, chance, args.seeds[0])
+    print_table_d(ablation, roles, chance, args.seeds[0])
+    figures = [plot_quality(scratch, curves, args.steps, ablation, roles, chance),
+               plot_trained_maps(trained, data, args.seeds[0], args.steps, best)]
+    pngs = {name: mha.png_bytes(fig) for name, fig in zip(FIGURES, figures)}
+    if not mha.write_figures("quality.py", args.out_dir, pngs):
+        return 1
+    print(f"\nFigures written to {mha.shown_path(args.out_dir)}: {', '.join(FIGURES)}")
+    print(progress.summary(*workers.steps))
+    return 0
+
+
+# ----------------------------------------------------------------------------- plumbing (not the lesson)
 def whole_positive(text):
     """argparse type for --steps: a positive whole number, or one line naming the value and the rule."""
     try:
@@ -766,8 +873,8 @@ def seed_value(text):
 
 def parse_args(argv=None):
     parser = mha.Parser(prog="quality.py", description="Train a tiny character-level LM with MHA, GQA and MQA and "
-                    "measure what sharing K/V heads costs in validation loss.",
-                    formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                        "measure what sharing K/V heads costs in validation loss.",
+                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--steps", type=whole_positive, default=STEPS,
                         help="training steps of each from-scratch model; further training after conversion is "
                              f"{UPTRAIN[0] * 100:g}%% and {UPTRAIN[1] * 100:g}%% of it")   # %% is argparse's %
@@ -777,64 +884,126 @@ def parse_args(argv=None):
     args = parser.parse_args(argv)
     if len(set(args.seeds)) != len(args.seeds):
         parser.error(f"--seeds {' '.join(map(str, args.seeds))} must be different from each other")
+    if isinstance(WORKERS, bool) or not isinstance(WORKERS, int) or WORKERS < 1:
+        parser.error(f"WORKERS={WORKERS!r} (at the top of quality.py) must be a whole number of processes, at least 1")
     return args
 
 
-def train_everything(args, workers, progress):
-    """The data, then parts A and B on the workers, each table printed as soon as it is known."""
-    text = load_text()
-    data = Data(text)
-    unigram, bigram = baselines(data)
-    print(f"What GQA and MQA cost in quality: a character-level LM, d={D_MODEL}, {N_HEADS} query heads of "
-          f"width {D_MODEL // N_HEADS}, {N_LAYERS} layers, T={CONTEXT}, batch {BATCH}")
-    print(f"data: {describe_text(text)}")
-    print(f"      train {len(data.train):,} characters, validation {len(data.val):,} (the last "
-          f"{VAL_FRACTION:.0%}); the loss is measured on {EVAL_WINDOWS} windows = {EVAL_WINDOWS * CONTEXT:,} "
-          "characters")
-    print(f"      validation bits/char of a unigram model {unigram:.2f}, of a bigram model {bigram:.2f}")
-    print(f"torch {torch.__version__}, {WORKERS} worker process{'es' * (WORKERS > 1)} of 1 thread each: the same "
-          "seeds give the same numbers to the bit, whatever the number of workers")
-    sys.stdout.flush()
+class Progress:
+    """One line on stderr: which part trains, its steps done of all, the time so far and left. On a terminal
+    it is rewritten in place; otherwise (a pipe, a file) a plain line is written every PLAIN_EVERY seconds."""
 
-    scratch = run_from_scratch(data, args.seeds, args.steps, workers)
-    progress.clear()
-    print_table_a(scratch, args.steps)
-    sys.stdout.flush()
+    def __init__(self, total_steps, stream=sys.stderr):
+        self.total, self.stream, self.tty = total_steps, stream, stream.isatty()
+        self.start = self.last = time.perf_counter()
+        self.width = 0
 
-    curves, up = run_conversion(scratch, args.steps, workers)
-    progress.clear()
-    print_table_b(curves, scratch, args.steps, up)
-    return scratch, curves, up, data
+    def show(self, part, done):
+        now = time.perf_counter()
+        if now - self.last < (0.5 if self.tty else PLAIN_EVERY):
+            return
+        self.last = now
+        left = (now - self.start) / max(done, 1) * (self.total - done)
+        line = f"{part}: {done:,} of {self.total:,} training steps, elapsed {clock(now - self.start)}, left ~{clock(left)}"
+        self.stream.write("\r" + line.ljust(self.width) if self.tty else line + "\n")
+        self.width = len(line)
+        self.stream.flush()
+
+    def clear(self):
+        """Remove the rewritten line before a table is printed to the same terminal."""
+        if self.tty and self.width:
+            self.stream.write("\r" + " " * self.width + "\r")
+            self.stream.flush()
+            self.width = 0
+
+    def summary(self, steps, seconds):
+        """The wall time and the mean time of a training step: a busy machine shows here."""
+        return (f"time: {(time.perf_counter() - self.start) / 60:.1f} min, {WORKERS} worker{'s' * (WORKERS > 1)} "
+                f"of 1 thread; a training step took {seconds / max(steps, 1) * 1e3:.0f} ms on average")
 
 
-def main(argv=None):
-    args = parse_args(argv)
-    problem = mha.out_dir_problem(args.out_dir, FIGURES)
-    if problem:
-        print(f"quality.py: error: {problem}", file=sys.stderr)
-        return 1
-    torch.set_num_threads(1)                               # table C and the maps, like every model: one thread
-    up_steps = uptrain_steps(args.steps)[-1]
-    conversions = 1 + (len(CONFIGS) - 1) * len(POOLS)
-    progress = Progress(len(args.seeds) * (len(CONFIGS) * args.steps + conversions * up_steps))
-    try:
-        with Workers(WORKERS, progress) as workers:        # they start while the data is read here
-            scratch, curves, up, data = train_everything(args, workers, progress)
-    except ChildProcessError as e:
-        progress.clear()
-        print(f"quality.py: error: {e}; nothing was written", file=sys.stderr)
-        return 1
+def clock(seconds):
+    """clock(75.3) == '1:15'."""
+    return f"{int(seconds) // 60}:{int(seconds) % 60:02d}"
 
-    trained = scratch[args.seeds[0]]["MHA"][0]
-    best = print_table_c(*head_roles(trained, data), args.seeds[0])
-    figures = [plot_quality(scratch, curves, args.steps, up),
-               plot_trained_maps(trained, data, args.seeds[0], args.steps, best)]
-    pngs = {name: mha.png_bytes(fig) for name, fig in zip(FIGURES, figures)}
-    if not mha.write_figures("quality.py", args.out_dir, pngs):
-        return 1
-    print(f"\nFigures written to {mha.shown_path(args.out_dir)}: {', '.join(FIGURES)}")
-    print(progress.summary())
-    return 0
+
+class Workers:
+    """WORKERS processes of a ProcessPoolExecutor, with the three things the standard pool leaves to us:
+    the progress line, stopping at once (a failing task, Ctrl-C: the running tasks are not waited for), and
+    which exit code a dead worker had (BrokenProcessPool does not say)."""
+
+    def __init__(self, progress):
+        context = multiprocessing.get_context("spawn")        # a fresh interpreter: no threads or locks inherited
+        self.steps = context.Array("d", 2)                    # training steps done by all workers, their seconds
+        self.before = set(multiprocessing.active_children())
+        self.pool = concurrent.futures.ProcessPoolExecutor(WORKERS, context, initializer=start_worker,
+                                                           initargs=(os.getpid(), self.steps))
+        self.progress, self.processes = progress, []
+
+    def run(self, part, calls):
+        """fn(*args) for every (fn, args) in calls, on the workers; the results in the order of calls."""
+        ctrl_c = signal.signal(signal.SIGINT, signal.SIG_IGN)   # the pool starts its workers as tasks arrive:
+        try:                                                     # born ignoring Ctrl-C, even while they start
+            futures = [self.pool.submit(fn, *args) for fn, args in calls]
+        finally:
+            signal.signal(signal.SIGINT, ctrl_c)
+        self.processes = list(set(multiprocessing.active_children()) - self.before)
+        waiting = futures
+        while waiting:
+            done, waiting = concurrent.futures.wait(waiting, timeout=0.5, return_when="FIRST_EXCEPTION")
+            for future in done:
+                future.result()                # a worker's exception, raised here with its traceback, at once
+            self.progress.show(part, int(self.steps[0]))
+        self.progress.clear()
+        return [future.result() for future in futures]
+
+    def exit_code(self):
+        """The exit code of the worker that died. The pool then stops the others with SIGTERM, so theirs is
+        -15: the one that is not is the one that died first (-15 too if it was itself stopped by SIGTERM)."""
+        codes = [p.exitcode for p in self.processes]
+        return next((c for c in codes if c != -signal.SIGTERM), -signal.SIGTERM)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, *exc):
+        if kind is not None:                                  # failed or interrupted: stop them, busy or not
+            for p in self.processes:
+                p.terminate()
+        self.progress.clear()
+        self.pool.shutdown(cancel_futures=True)
+
+
+def start_worker(parent, steps):
+    """Each worker process, once, before its first task: it dies with the parent, uses one thread, and
+    reads the data itself."""
+    die_with_parent(parent)
+    torch.set_num_threads(1)
+    WORKER["data"] = Data(load_text())
+
+    def tick(seconds):
+        with steps.get_lock():
+            steps[0] += 1
+            steps[1] += seconds
+    WORKER["tick"] = tick
+
+
+def die_with_parent(parent):
+    """End this process when the parent process dies, however it dies (a SIGKILL runs none of its code).
+
+    On Linux the kernel does it: prctl(PR_SET_PDEATHSIG, SIGKILL). Elsewhere a thread checks every second
+    whether the parent is still the one that started us. Either way, a parent already gone ends us now.
+    """
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)          # 1 = PR_SET_PDEATHSIG, from <linux/prctl.h>
+    else:
+        def watch():
+            while os.getppid() == parent:
+                time.sleep(1.0)
+            os._exit(1)
+        threading.Thread(target=watch, daemon=True).start()
+    if os.getppid() != parent:
+        os._exit(1)
 
 
 if __name__ == "__main__":
