@@ -1,0 +1,663 @@
+"""
+Multi-head latent attention (MLA), DeepSeek's answer to "what comes after GQA for the cache?", in one file.
+
+The second chapter, after mha.py. What this file shows, top to bottom:
+  1. LatentAttention: causal attention whose keys and values all come from one shared latent c = x W_DKV
+     (dc numbers per token), expanded per head by W_UK and W_UV, plus one decoupled RoPE key shared by every
+     head. The cache keeps only c and the RoPE key: dc + dr numbers per token, whatever the number of heads.
+  2. Weight absorption, proven: the naive path rebuilds every head's K and V from the cache; the absorbed
+     path folds W_UK into the queries and applies W_UV after attention, and never builds them. Same
+     function (float64: within 1e-12), and the absorbed decode step IS multi-query attention with one K/V
+     head [c; k_R] and values c, checked against PyTorch's own GQA/MQA attention.
+  3. Why the RoPE key must be decoupled: rotate the content keys and absorption breaks (a check failing
+     on purpose).
+  4. The cache of DeepSeek-V2, V2-Lite and V3 next to MHA, GQA-8 and MQA of the same shape.
+  5. One absorbed decode step timed against the same-shaped MHA and GQA-8 steps on mha.py's roofline:
+     2 h S (2 dc + dr) FLOPs on S (dc + dr) numbers, about 121 FLOPs per byte in fp32, so MLA decoding
+     waits on arithmetic where MHA and GQA wait on memory.
+
+What it deliberately does not do: query compression (DeepSeek-V2 compresses queries too, V2-Lite does not;
+it saves activations, not cache), YaRN's RoPE scaling, training, mixed precision, any GPU kernel.
+
+Run it:   python mla.py           (a few seconds on a 2-core CPU; writes figures/mla_*.png)
+          Then edit D_LATENT or D_ROPE below and rerun.
+
+Papers: DeepSeek-AI 2024, "DeepSeek-V2: A Strong, Economical, and Efficient Mixture-of-Experts Language
+        Model", arXiv:2405.04434 (section 2.1: MLA).
+        DeepSeek-AI 2024, "DeepSeek-V3 Technical Report", arXiv:2412.19437.
+        Su et al. 2021, "RoFormer: Enhanced Transformer with Rotary Position Embedding", arXiv:2104.09864.
+
+Shapes: mha.py's alphabet (B batch, T new tokens, d model width, h query heads, kv K/V heads, dh head width,
+S keys a query can see), plus dc the latent width and dr the RoPE width.
+"""
+
+import argparse
+import operator
+import os
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import mha
+
+# ----------------------------------------------------------------------------- knobs
+D_MODEL = 256        # d: model width
+N_HEADS = 8          # h: query heads
+D_HEAD = 32          # dh: width of each head's content query, key and value
+D_LATENT = 128       # dc: width of the latent c, shared by all heads' keys and values (DeepSeek: 4 dh)
+D_ROPE = 16          # dr: width of the RoPE query and key; even, since RoPE turns pairs (DeepSeek: dh / 2)
+ROPE_BASE = 10000.0  # RoFormer's base: pair i of the RoPE key turns by position x base^(-2i / dr) radians
+SEQ_LEN = 12         # T: tokens in the demo sequence
+BATCH = 2            # B: sequences in the demo batch
+SEED = 0             # every random number in the run comes from this seed
+OUT_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "figures")
+
+# Published shapes: (layers, h, dh, dc, dr), i.e. config.json's (num_hidden_layers, num_attention_heads,
+# qk_nope_head_dim = v_head_dim, kv_lora_rank, qk_rope_head_dim), as published on Hugging Face by deepseek-ai.
+DEEPSEEK = {
+    "DeepSeek-V2": (60, 128, 128, 512, 64),       # arXiv:2405.04434 section 3.1.2; DeepSeek-V2 config.json
+    "DeepSeek-V2-Lite": (27, 16, 128, 512, 64),   # arXiv:2405.04434 appendix B; DeepSeek-V2-Lite config.json
+    "DeepSeek-V3": (61, 128, 128, 512, 64),       # arXiv:2412.19437 section 4.2; DeepSeek-V3 config.json
+}
+CACHE_TOKENS = 4096                 # context length of the cache table
+CACHE_BYTES_PER_ELEM = 2            # bf16, as DeepSeek serves its cache
+GQA_KV_HEADS = 8                    # the GQA the table and the timing compare with
+DECODE_CONTEXTS = (1024, 2048, 4096)   # cached tokens at which one decode step is timed
+DECODE_ROUNDS = 5                   # each time is the best of this many rounds
+FIGURES = ["mla_cache.png", "mla_roofline.png"]
+
+
+# ----------------------------------------------------------------------------- the module
+def rope(x, positions, base=ROPE_BASE):
+    """x with each pair (x[2i], x[2i+1]) of its last dimension turned by position x base^(-2i / dr) radians.
+
+    x: (..., T, dr), positions: (T,). Two turned vectors' dot product depends only on the difference of
+    their positions: that is how attention learns where a key lies relative to the query (RoFormer).
+    rope(torch.tensor([[1.0, 0.0]]), torch.tensor([1])) == [[cos 1, sin 1]] == [[0.5403, 0.8415]]
+    """
+    dr = x.shape[-1]
+    freq = base ** (-torch.arange(0, dr, 2, dtype=torch.float64) / dr)       # (dr/2,)
+    angle = positions.to(torch.float64)[:, None] * freq                      # (T, dr/2), the same in every call
+    cos, sin = angle.cos().to(x.dtype), angle.sin().to(x.dtype)
+    x0, x1 = x.unflatten(-1, (dr // 2, 2)).unbind(-1)                        # (..., T, dr) -> 2 x (..., T, dr/2)
+    turned = torch.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], dim=-1)  # (..., T, dr/2, 2)
+    return turned.flatten(-2)                                                # (..., T, dr)
+
+
+def latent_attend(q_lat, q_rope, c, k_rope, scale):
+    """softmax((q_lat c^T + q_R k_R^T) * scale + causal mask) c: every head reads the one latent, as in MQA.
+
+    q_lat: (B, h, T, dc), queries with W_UK folded in; q_rope: (B, h, T, dr); c: (B, S, dc); k_rope: (B, S, dr).
+    Returns (B, h, T, dc): each head's attention-weighted sum of latents.
+    As mha.attend does for a K/V head, the h heads are stacked as h*T rows of the single shared "head"
+    (row r is head r // T at token r % T: with T = 3, row 7 is head 2's token 1), so c and k_R are read
+    once, where they lie in the cache; T = 1, a decode step, is h rows of one query each.
+    """
+    B, h, T, dc = q_lat.shape
+    S = c.shape[1]
+    q_lat = q_lat.reshape(B, h * T, dc)                    # (B, h*T, dc)
+    q_rope = q_rope.reshape(B, h * T, -1)                  # (B, h*T, dr)
+    scores = (q_lat @ c.transpose(1, 2) + q_rope @ k_rope.transpose(1, 2)) * scale   # (B, h*T, S)
+    if T > 1:                                              # one new token sees every key: no mask
+        scores = scores + mha.causal_mask(T, S, scores.dtype).repeat(h, 1)   # (h*T, S)
+    return (scores.softmax(dim=-1) @ c).view(B, h, T, dc)  # (B, h*T, dc) -> (B, h, T, dc)
+
+
+@dataclass
+class LatentCache:
+    """What MLA keeps of every past token: the latent c and the RoPE key, nothing per head.
+
+    c: (B, max_len, dc), k_rope: (B, max_len, dr); the first `length` positions hold tokens.
+    """
+    c: torch.Tensor
+    k_rope: torch.Tensor
+    length: int = 0
+
+    @property
+    def nbytes(self):
+        return self.c.nbytes + self.k_rope.nbytes
+
+    def append(self, c, k_rope):
+        """Write c: (B, T, dc), k_rope: (B, T, dr) after the cached tokens; return all: (B, S, dc), (B, S, dr)."""
+        S = self.length + c.shape[1]
+        self.c[:, self.length:S] = c
+        self.k_rope[:, self.length:S] = k_rope
+        self.length = S
+        return self.c[:, :S], self.k_rope[:, :S]
+
+
+class LatentAttention(nn.Module):
+    """Causal, bias-free multi-head latent attention, as in DeepSeek-V2 without query compression.
+
+    Head i's score for key s:  (q_C,i . k_C,i,s + q_R,i . k_R,s) / sqrt(dh + dr),  where
+        c = x W_DKV (dc),  k_C,i = W_UK,i c,  v_i = W_UV,i c  (dh each),  k_R = RoPE(x W_KR) (dr, one for all heads),
+        q_C,i from x W_Q (dh),  q_R,i = RoPE(x W_QR) (dr).
+    Why the RoPE key is decoupled: q_C,i . k_C,i,s = (W_UK,i^T q_C,i) . c_s, so W_UK,i can move to the query
+    side, once per query instead of once per cached token. Rotating k_C would put the rotation of key s
+    between W_UK,i and c_s: RoPE_s(W_UK,i c_s), a matrix that changes with s, which no query can absorb.
+    So the position travels in dr extra dimensions of its own, and c stays free of it.
+    """
+
+    def __init__(self, d_model, n_heads, d_head, d_latent, d_rope):
+        super().__init__()
+        d, h, dh, dc, dr = check_sizes(d_model, n_heads, d_head, d_latent, d_rope)
+        self.d_model, self.n_heads, self.d_head, self.d_latent, self.d_rope = d, h, dh, dc, dr
+        self.scale = (dh + dr) ** -0.5
+        self.w_dkv = nn.Linear(d, dc, bias=False)          # down to the latent: the cache
+        self.w_uk = nn.Linear(dc, h * dh, bias=False)      # up to every head's content key
+        self.w_uv = nn.Linear(dc, h * dh, bias=False)      # up to every head's value
+        self.w_kr = nn.Linear(d, dr, bias=False)           # the one RoPE key
+        self.w_q = nn.Linear(d, h * dh, bias=False)        # content queries
+        self.w_qr = nn.Linear(d, h * dr, bias=False)       # RoPE queries
+        self.w_o = nn.Linear(h * dh, d, bias=False)
+
+    def forward(self, x, cache=None, absorbed=False):
+        """x: (B, T, d) -> (B, T, d). With a cache, x holds only the new tokens, which are appended to it."""
+        B, T = check_call(self, x, cache, absorbed)         # one sentence on a bad call, before any write
+        start = 0 if cache is None else cache.length
+        q, q_rope, c, k_rope = self.project(x, start)
+        if cache is not None:
+            c, k_rope = cache.append(c, k_rope)            # (B, S, dc), (B, S, dr), S = cached + T
+        if absorbed:
+            o = self.expand_output(latent_attend(self.absorb_query(q), q_rope, c, k_rope, self.scale))
+        else:
+            o = self.naive_attention(q, q_rope, c, k_rope)
+        return self.w_o(o.transpose(1, 2).reshape(B, T, -1))   # (B, h, T, dh) -> (B, T, h*dh) -> (B, T, d)
+
+    def project(self, x, start):
+        """Queries (B, h, T, dh), RoPE queries (B, h, T, dr), latent (B, T, dc), RoPE key (B, T, dr) of x,
+        whose tokens sit at positions start, start + 1, ..."""
+        B, T, _ = x.shape
+        h, dh, dr = self.n_heads, self.d_head, self.d_rope
+        positions = torch.arange(start, start + T)
+        q = self.w_q(x).view(B, T, h, dh).transpose(1, 2)                      # (B, T, h, dh) -> (B, h, T, dh)
+        q_rope = rope(self.w_qr(x).view(B, T, h, dr).transpose(1, 2), positions)  # (B, T, h, dr) -> (B, h, T, dr)
+        return q, q_rope, self.w_dkv(x), rope(self.w_kr(x), positions)
+
+    def naive_attention(self, q, q_rope, c, k_rope):
+        """softmax((q_C k_C^T + q_R k_R^T) / sqrt(dh + dr) + mask) v, every head's k_C and v rebuilt from c."""
+        B, h, T, dh = q.shape
+        S = c.shape[1]
+        k = self.w_uk(c).view(B, S, h, dh).transpose(1, 2)     # (B, S, h*dh) -> (B, S, h, dh) -> (B, h, S, dh)
+        v = self.w_uv(c).view(B, S, h, dh).transpose(1, 2)     # (B, S, h*dh) -> (B, S, h, dh) -> (B, h, S, dh)
+        k_rope = k_rope.unsqueeze(1)                           # (B, 1, S, dr): one key, broadcast to every head
+        scores = (q @ k.transpose(2, 3) + q_rope @ k_rope.transpose(2, 3)) * self.scale   # (B, h, T, S)
+        return (scores + mha.causal_mask(T, S, q.dtype)).softmax(dim=-1) @ v                # (B, h, T, dh)
+
+    def absorb_query(self, q):
+        """(B, h, T, dh) -> (B, h, T, dc): q_C,i -> W_UK,i^T q_C,i, whose dot product with c_s is q_C,i . k_C,i,s."""
+        h, dh, dc = self.n_heads, self.d_head, self.d_latent
+        # Row i*dh + r of w_uk.weight makes dimension r of head i's key (the naive path's view(B, S, h, dh)):
+        # e.g. with dh = 32, row 70 is head 2's dimension 6. So head i's W_UK,i is rows i*dh .. i*dh + dh - 1.
+        w_uk = self.w_uk.weight.view(h, dh, dc)            # (h*dh, dc) -> (h, dh, dc)
+        return q @ w_uk                                    # (B, h, T, dh) @ (h, dh, dc) -> (B, h, T, dc)
+
+    def expand_output(self, o_lat):
+        """(B, h, T, dc) -> (B, h, T, dh): W_UV,i applied once to head i's weighted sum of latents,
+        sum_s p_s (W_UV,i c_s) = W_UV,i (sum_s p_s c_s), instead of once to every cached token."""
+        h, dh, dc = self.n_heads, self.d_head, self.d_latent
+        w_uv = self.w_uv.weight.view(h, dh, dc)            # (h*dh, dc) -> (h, dh, dc), rows as in absorb_query
+        return o_lat @ w_uv.transpose(1, 2)                # (B, h, T, dc) @ (h, dc, dh) -> (B, h, T, dh)
+    # The paper says W_UK "can be absorbed into" the query projection and W_UV into W_O: multiplied ahead
+    # of time. Applied on the fly, as here and in DeepSeek's own inference code, the matrices stay small:
+    # at DeepSeek-V2's shape without query compression, W_Q times W_UK would hold h d dc = 335M numbers per
+    # layer, against 92M for the two.
+
+    def new_cache(self, batch, max_len):
+        """An empty LatentCache for `batch` sequences of up to `max_len` tokens, in this module's dtype."""
+        batch, max_len = whole_number("batch", batch), whole_number("max_len", max_len)
+        if batch < 1 or max_len < 1:
+            raise ValueError(f"a cache needs batch >= 1 and max_len >= 1, got batch={batch}, max_len={max_len}")
+        dtype = self.w_dkv.weight.dtype
+        return LatentCache(torch.zeros(batch, max_len, self.d_latent, dtype=dtype),   # (B, max_len, dc)
+                           torch.zeros(batch, max_len, self.d_rope, dtype=dtype))     # (B, max_len, dr)
+
+
+# ----------------------------------------------------------------------------- the checks
+def demo_module(seed, dtype=torch.float32):
+    """The knobs' LatentAttention and a (BATCH, SEQ_LEN, D_MODEL) input, both from seed."""
+    torch.manual_seed(seed)
+    attn = LatentAttention(D_MODEL, N_HEADS, D_HEAD, D_LATENT, D_ROPE).to(dtype).eval()
+    return attn, torch.randn(BATCH, SEQ_LEN, D_MODEL, dtype=dtype)
+
+
+def absorbed_vs_naive(attn, x):
+    """max |absorbed - naive| / max |naive| over one full forward."""
+    with torch.no_grad():
+        return mha.relative_diff(attn(x, absorbed=True), attn(x))
+
+
+def cached_vs_full(attn, x, absorbed, prompt):
+    """Feed `prompt` tokens as one chunk, then the rest one at a time; relative difference to one full forward."""
+    B, T, _ = x.shape
+    cache = attn.new_cache(B, T)
+    with torch.no_grad():
+        steps = [attn(x[:, :prompt], cache=cache, absorbed=absorbed)]
+        steps += [attn(x[:, t:t + 1], cache=cache, absorbed=absorbed) for t in range(prompt, T)]
+        return mha.relative_diff(torch.cat(steps, dim=1), attn(x, absorbed=absorbed))
+
+
+def mqa_identity_gap(attn, x):
+    """The absorbed decode step of x's last token against PyTorch's multi-query attention, one K/V head:
+    keys [c; k_R] (dc + dr wide), values c (dc wide), queries [W_UK,i^T q_C,i; q_R,i], scale 1/sqrt(dh + dr)."""
+    B, T, _ = x.shape
+    cache = attn.new_cache(B, T)
+    with torch.no_grad():
+        attn(x[:, :-1], cache=cache, absorbed=True)
+        step = attn(x[:, -1:], cache=cache, absorbed=True)                   # (B, 1, d)
+        q, q_rope, _, _ = attn.project(x[:, -1:], T - 1)                      # (B, h, 1, dh), (B, h, 1, dr)
+        query = torch.cat([attn.absorb_query(q), q_rope], dim=-1)            # (B, h, 1, dc + dr)
+        key = torch.cat([cache.c, cache.k_rope], dim=-1).unsqueeze(1)        # (B, 1, S, dc + dr): ONE K/V head
+        value = cache.c.unsqueeze(1)                                         # (B, 1, S, dc): the latent itself
+        o = F.scaled_dot_product_attention(query, key, value, scale=attn.scale, enable_gqa=True)  # (B, h, 1, dc)
+        mqa = attn.w_o(attn.expand_output(o).transpose(1, 2).reshape(B, 1, -1))   # (B, h, 1, dh) -> (B, 1, d)
+    return mha.relative_diff(mqa, step)
+
+
+def rope_before_absorption_gap(attn, x):
+    """The counter-example: RoPE on the content keys and queries, as in Llama, then W_UK absorbed anyway.
+
+    The true scores are RoPE_t(q_C,i) . RoPE_s(W_UK,i c_s). All absorption can compute is the query turned
+    first, (W_UK,i^T RoPE_t(q_C,i)) . c_s: the turn of key s is lost. Relative difference of the scores.
+    """
+    B, T, _ = x.shape
+    h, dh = attn.n_heads, attn.d_head
+    positions = torch.arange(T)
+    with torch.no_grad():
+        q, _, c, _ = attn.project(x, 0)
+        k = attn.w_uk(c).view(B, T, h, dh).transpose(1, 2)                  # (B, T, h*dh) -> (B, h, T, dh)
+        true = rope(q, positions) @ rope(k, positions).transpose(2, 3)       # (B, h, T, T)
+        absorbed = attn.absorb_query(rope(q, positions)) @ c.unsqueeze(1).transpose(2, 3)  # (B, h, T, T)
+    return mha.relative_diff(absorbed, true)
+
+
+def run_checks(seed):
+    """The evidence that absorption is right, and that it needs the decoupled RoPE. True if all pass."""
+    print(f"1. Checks (B={BATCH}, T={SEQ_LEN}, d={D_MODEL}, h={N_HEADS}, dh={D_HEAD}, dc={D_LATENT}, dr={D_ROPE})")
+    attn64, x64 = demo_module(seed, torch.float64)
+    attn32, x32 = demo_module(seed)
+    ok = mha.report("float64: max |absorbed - naive| / max |naive|", absorbed_vs_naive(attn64, x64), 1e-12)
+    ok &= mha.report("float32: the same, exact in algebra but not rounding", absorbed_vs_naive(attn32, x32), 1e-5)
+    ok &= mha.report("decode step vs MQA: key [c; k_R], value c (float64)", mqa_identity_gap(attn64, x64), 1e-12)
+    prompt = SEQ_LEN // 2
+    print(f"  cached, float32: {prompt} tokens in one chunk, then {SEQ_LEN - prompt} one at a time, against one "
+          "full forward")
+    for absorbed in (False, True):
+        label = f"  {'absorbed' if absorbed else 'naive':<9} max |cached - full| / max |full|"
+        ok &= mha.report(label, cached_vs_full(attn32, x32, absorbed, prompt), 1e-5)
+    cache = attn32.new_cache(1, 512)
+    want = latent_cache_bytes(1, D_LATENT, D_ROPE, 512, bytes_per_elem=4)
+    ok &= cache.nbytes == want
+    print(f"  512-token cache: {cache.nbytes:,} bytes allocated, {want:,} by the formula (dc + dr) x 512 x 4  "
+          f"{'OK' if cache.nbytes == want else 'FAIL'}")
+    broken = rope_before_absorption_gap(attn64, x64)
+    print(f"  {'on purpose: RoPE on the content keys, then absorbed':<52} = {broken:.2e}  "
+          f"{'FAIL, as it must' if broken > 1e-3 else 'NOT DETECTED'}")
+    return ok and broken > 1e-3
+
+
+# ----------------------------------------------------------------------------- the cache, in bytes
+def latent_cache_bytes(n_layers, d_latent, d_rope, seq_len, batch=1, bytes_per_elem=2):
+    """Bytes of an MLA cache: layers x (dc + dr) x tokens x batch x bytes per number.
+
+    latent_cache_bytes(60, 512, 64, 4096) == 283115520   (DeepSeek-V2, bf16, 4k tokens: 0.28 GB)
+    """
+    return n_layers * (d_latent + d_rope) * seq_len * batch * bytes_per_elem
+
+
+def cache_rows(layers, h, dh, dc, dr):
+    """[(kind, numbers per token per layer, formula)] for one model's shape, the four kinds and the careless MLA."""
+    return [("MHA", 2 * h * dh, "2 h dh"),
+            (mha.attention_kind(h, GQA_KV_HEADS), 2 * GQA_KV_HEADS * dh, f"2 {GQA_KV_HEADS} dh"),
+            ("MQA", 2 * dh, "2 dh"),
+            ("MLA", dc + dr, "dc + dr"),
+            ("MLA, careless", h * (2 * dh + dr), "h (2 dh + dr)")]   # every head's K (dh + dr wide) and V
+
+
+def print_cache_table():
+    layers, h, dh, dc, dr = DEEPSEEK["DeepSeek-V2"]
+    n, n_mha = latent_cache_bytes(layers, dc, dr, CACHE_TOKENS), mha.kv_cache_bytes(layers, h, dh, CACHE_TOKENS)
+    print(f"\n2. The cache, in bf16 (GB = 1e9 bytes). DeepSeek-V2 at {CACHE_TOKENS} tokens: latent_cache_bytes("
+          f"{layers}, {dc}, {dr}, {CACHE_TOKENS})\n   = {n:,} bytes = {n / 1e9:.2f} GB, against {n_mha / 1e9:.1f} GB "
+          f"for MHA of the same layers, h and dh. Per request, batch 1, next to\n   GQA-{GQA_KV_HEADS} and MQA; "
+          "MLA careless: every head's K (dh + dr wide) and V rebuilt from the latent and kept:")
+    print(f"   {'model':<18}{'kind':<15}{'numbers per token-layer':>25}{'cache':>11}{'vs MHA':>9}")
+    for name, shape in DEEPSEEK.items():
+        label = [name, f"{shape[0]} layers, h={shape[1]}"]
+        rows = cache_rows(*shape)
+        for i, (kind, numbers, formula) in enumerate(rows):
+            n = shape[0] * numbers * CACHE_TOKENS * CACHE_BYTES_PER_ELEM
+            print(f"   {label[i] if i < 2 else '':<18}{kind:<15}{formula:>14} = {numbers:>8,}"
+                  f"{n / 1e9:>8.2f} GB{rows[0][1] / numbers:>8.1f}x")
+    print("   MLA keeps 2.25 times MQA's numbers, yet every head has keys and values of its own: W_UK,i c, W_UV,i c.")
+
+
+# ----------------------------------------------------------------------------- decode time: a roofline
+# An absorbed decode step (T = 1) over S cached tokens does q_lat c^T, q_R k_R^T and p c: 2 h S (2 dc + dr)
+# FLOPs on S (dc + dr) numbers, h (2 dc + dr) / (2 (dc + dr)) = 121 FLOPs per byte in fp32 at DeepSeek-V2's
+# shape (242 in bf16). mha.py's MHA/GQA step does 4 h S dh FLOPs on 2 kv S dh numbers: g / 2 per byte in fp32.
+def mla_step_work(S, h, dc, dr):
+    """(FLOPs, fp32 bytes) of one absorbed step.  mla_step_work(4096, 128, 512, 64) == (1140850688, 9437184)"""
+    return 2 * h * S * (2 * dc + dr), S * (dc + dr) * 4
+
+
+def gqa_step_work(S, h, kv, dh):
+    """(FLOPs, fp32 bytes) of one MHA/GQA step.  gqa_step_work(4096, 128, 8, 128) == (268435456, 33554432)"""
+    return 4 * h * S * dh, mha.kv_cache_bytes(1, kv, dh, S, bytes_per_elem=4)
+
+
+def seconds_of(job):
+    """Seconds that job() takes: one measurement, for measure_decode to keep the best of."""
+    t0 = time.perf_counter()
+    job()
+    return time.perf_counter() - t0
+
+
+@dataclass
+class Step:
+    """One timed decode step: its best `seconds`, and the best `read_seconds` of reading its n_bytes alone."""
+    kind: str
+    S: int
+    flops: int
+    n_bytes: int
+    seconds: float = float("inf")
+    read_seconds: float = float("inf")
+
+    def floor(self, peak):
+        """mha.roofline's (least seconds, 'memory' or 'compute'), at the bandwidth of this step's own bytes."""
+        return mha.roofline(self.flops, self.n_bytes, mha.Ceilings(self.n_bytes / self.read_seconds, peak))
+
+
+def measure_decode(contexts, rounds, seed):
+    """[Step] of MLA (absorbed, latent_attend), MHA and GQA (mha.attend) at DeepSeek-V2's layer shape in
+    fp32, and the matmul ceiling in FLOP/s: the faster of a 512- and a 1024-wide square product.
+
+    The bandwidth is measured on each step's own tensors: a 9 MB latent cache and a 537 MB MHA cache are
+    not read at the same speed. Each round reads all of them, then runs all the steps, longest context
+    first, so that hundreds of MB pass between a read and its step: both find the bytes out of the CPU's
+    caches, where a step of a deep model finds them after the other layers. Each keeps its best round.
+    """
+    _, h, dh, dc, dr = DEEPSEEK["DeepSeek-V2"]
+    s_max = max(contexts)
+    torch.manual_seed(seed)
+    latent = torch.full((1, s_max, dc + dr), 0.01)        # (B, S, dc + dr): c, then k_R; written, so in memory
+    kv_bufs = {kv: torch.full((2, 1, kv, s_max, dh), 0.01) for kv in (h, GQA_KV_HEADS)}   # K, V: (B, kv, S, dh)
+    q_lat, q_rope, q = torch.randn(1, h, 1, dc), torch.randn(1, h, 1, dr), torch.randn(1, h, 1, dh)
+    runs = []                                             # (Step, the step, a read of the step's bytes)
+    for S in sorted(contexts, reverse=True):
+        c, k_rope = latent[:, :S, :dc], latent[:, :S, dc:]   # (B, S, dc), (B, S, dr): views, nothing copied
+        runs.append((Step("MLA", S, *mla_step_work(S, h, dc, dr)),
+                     lambda c=c, k=k_rope: latent_attend(q_lat, q_rope, c, k, (dh + dr) ** -0.5), latent[:, :S].sum))
+        for kv, buf in kv_bufs.items():
+            k, v = buf[:, :, :, :S]                       # (B, kv, S, dh) each: views
+            runs.append((Step(mha.attention_kind(h, kv), S, *gqa_step_work(S, h, kv, dh)),
+                         lambda k=k, v=v: mha.attend(q, k, v), buf[:, :, :, :S].sum))
+    squares = {n: (torch.randn(n, n), torch.randn(n, n)) for n in (512, 1024)}
+    best_matmul = dict.fromkeys(squares, float("inf"))
+    with torch.no_grad():
+        for _ in range(rounds):
+            for n, (a, b) in squares.items():
+                best_matmul[n] = min(best_matmul[n], seconds_of(lambda a=a, b=b: a @ b))
+            for step, _, read in runs:
+                step.read_seconds = min(step.read_seconds, seconds_of(read))
+            for step, run, _ in runs:
+                step.seconds = min(step.seconds, seconds_of(run))
+    steps = sorted((step for step, _, _ in runs), key=lambda step: step.S)   # stable: MLA, MHA, GQA per context
+    return steps, max(2 * n**3 / t for n, t in best_matmul.items())
+
+
+def timing_contradictions(steps, peak, slack=0.1):
+    """What in the measurements cannot be true of a quiet machine; [] when they hold together: a step more
+    than `slack` under its floor, or faster than itself at a shorter context, or GQA slower than MHA
+    (fewer bytes, the same FLOPs)."""
+    problems, by_key = [], {(step.kind, step.S): step for step in steps}
+    for step in steps:
+        floor, _ = step.floor(peak)
+        if step.seconds < (1 - slack) * floor:
+            problems.append(f"{step.kind} at {step.S} tokens is {1 - step.seconds / floor:.0%} below its floor")
+        if any(s.kind == step.kind and s.S < step.S and step.seconds < (1 - slack) * s.seconds for s in steps):
+            problems.append(f"{step.kind} at {step.S} tokens is faster than at a shorter context")
+        mha_step = by_key.get(("MHA", step.S))
+        if step.kind.startswith("GQA") and step.seconds > (1 + slack) * mha_step.seconds:
+            problems.append(f"{step.kind} is slower than MHA at {step.S} tokens")
+    return problems
+
+
+def time_the_trap(S, seed):
+    """Seconds of the MLA step through F.sdpa(enable_gqa=True) with values (dc) narrower than keys (dc + dr):
+    the MQA identity taken literally, the path this file does not teach. Timed once: it is slow."""
+    _, h, dh, dc, dr = DEEPSEEK["DeepSeek-V2"]
+    torch.manual_seed(seed)
+    query, key = torch.randn(1, h, 1, dc + dr), torch.randn(1, 1, S, dc + dr)   # (B, h, 1, dc+dr), (B, 1, S, dc+dr)
+    with torch.no_grad():
+        return seconds_of(lambda: F.scaled_dot_product_attention(query, key, key[..., :dc], scale=(dh + dr) ** -0.5,
+                                                                 enable_gqa=True))
+
+
+def print_decode_table(steps, peak, problems, trap):
+    _, h, dh, dc, dr = DEEPSEEK["DeepSeek-V2"]
+    print(f"\n3. Decode step: one layer's attention at DeepSeek-V2's shape (h={h}, dh={dh}, dc={dc}, dr={dr}), fp32, "
+          f"best of {DECODE_ROUNDS},\n   on {mha.machine_name()}. Ceilings measured in the same rounds: float32 "
+          f"matmul {peak / 1e9:.0f} GFLOP/s, and each\n   step's own bytes read at the speed in the table. "
+          "floor = max(bytes / read, FLOPs / matmul), in ms:")
+    print(f"   {'context':>7}  {'kind':<7}{'FLOP/byte':>10}  {'bound':<8}{'read GB/s':>10}{'floor':>8}"
+          f"{'measured':>10}{'reaches':>9}")
+    for step in steps:
+        floor, bound = step.floor(peak)
+        print(f"   {step.S if step.kind == 'MLA' else '':>7}  {step.kind:<7}{step.flops / step.n_bytes:>10.1f}  "
+              f"{bound:<8}{step.n_bytes / step.read_seconds / 1e9:>10.1f}{floor * 1e3:>8.3f}"
+              f"{step.seconds * 1e3:>10.3f}{floor / step.seconds:>9.0%}")
+    first = steps[0]
+    print(f"   The same MLA step through F.sdpa(enable_gqa=True), values narrower than keys, at {first.S} tokens: "
+          f"{trap * 1e3:.0f} ms,\n   {trap / first.seconds:.0f} times latent_attend's {first.seconds * 1e3:.2f} ms "
+          "(timed once). latent_attend reads c and k_R where they lie.")
+    if problems:
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        print(f"   NOT TRUSTWORTHY, the machine was busy while timing: {problems[0]}{more}")
+    else:
+        print("   " + decode_lesson(steps, peak))
+
+
+def decode_lesson(steps, peak):
+    """What the measurements at the longest context say, in sentences made from them."""
+    last = {step.kind: step for step in steps if step.S == steps[-1].S}
+    bound = {kind: step.floor(peak)[1] for kind, step in last.items()}
+    mla, mha_step = last["MLA"], last["MHA"]
+    gqa = mha.attention_kind(DEEPSEEK["DeepSeek-V2"][1], GQA_KV_HEADS)
+    gpu_name, gpu_flops, gpu_bandwidth = mha.GPU
+    return (f"Memory-bound here: {', '.join(k for k, b in bound.items() if b == 'memory') or 'none'}; compute-bound: "
+            f"{', '.join(k for k, b in bound.items() if b == 'compute') or 'none'}. At {mla.S} tokens: "
+            f"{', '.join(f'{k} {s.seconds * 1e3:.1f} ms' for k, s in last.items())}.\n   MLA does "
+            f"{mla.flops / mha_step.flops:.2f}x their FLOPs on 1/{mha_step.n_bytes / mla.n_bytes:.0f} of MHA's bytes: "
+            f"its time is set by {'arithmetic, not by its cache' if bound['MLA'] == 'compute' else 'its bytes'}.\n"
+            f"   In bf16 MLA does {2 * mla.flops / mla.n_bytes:.0f} FLOPs per byte, {gqa} "
+            f"{2 * last[gqa].flops / last[gqa].n_bytes:.0f}. An {gpu_name}'s ridge is at "
+            f"{gpu_flops / gpu_bandwidth:.0f}:\n   there MLA sits near it, {gqa} far below it, memory-bound.")
+
+
+# ----------------------------------------------------------------------------- figures
+def plot_cache():
+    """Cache per token, all layers, of each DeepSeek model for the five ways to keep it (log scale)."""
+    fig = mha.new_figure(10, 5)
+    ax = fig.subplots()
+    fig.subplots_adjust(left=0.09, right=0.98, bottom=0.14, top=0.88)
+    names = list(DEEPSEEK)
+    rows = [cache_rows(*DEEPSEEK[name]) for name in names]
+    for j, color in enumerate(mha.COLORS[:len(rows[0])]):
+        kb = [DEEPSEEK[name][0] * r[j][1] * CACHE_BYTES_PER_ELEM / 1e3 for name, r in zip(names, rows)]
+        bars = ax.bar([i + (j - 2) * 0.16 for i in range(len(names))], kb, 0.16, color=color,
+                      label=f"{rows[0][j][0]}: {rows[0][j][2]} per token-layer")
+        ax.bar_label(bars, labels=[f"{v:,.0f}" for v in kb], fontsize=7, padding=2)
+    ax.set_yscale("log")
+    ax.set_ylim(5, 1.2e5)                                  # room above the bars for the legend
+    ax.set_yticks([10, 100, 1000, 10000], ["10", "100", "1,000", "10,000"])
+    ax.minorticks_off()
+    ax.set_xticks(range(len(names)), [f"{n}\n{DEEPSEEK[n][0]} layers, h={DEEPSEEK[n][1]}" for n in names])
+    ax.set_ylabel("cache per token, all layers (KB, 1 KB = 1000 bytes)")
+    ax.legend(fontsize=8, loc="upper center", ncol=3)
+    ax.set_title(f"KV cache per token in bf16: MHA, GQA-{GQA_KV_HEADS}, MQA and MLA at DeepSeek's shapes "
+                 "(dh=128, dc=512, dr=64)", fontsize=11)
+    return fig
+
+
+def plot_roofline(steps, peak, problems):
+    """The measured steps on this CPU's roofline, drawn with MHA's bandwidth at the longest context."""
+    _, h, dh, dc, dr = DEEPSEEK["DeepSeek-V2"]
+    fig = mha.new_figure(8, 5.6)
+    ax = fig.subplots()
+    fig.subplots_adjust(left=0.1, right=0.97, bottom=0.1, top=0.84)
+    longest = [step for step in steps if step.S == steps[-1].S]
+    bandwidth = next(s.n_bytes / s.read_seconds for s in longest if s.kind == "MHA")
+    intensity = sorted([2 ** e for e in range(-3, 11)] + [peak / bandwidth])   # 1/8 .. 1024, and the ridge
+    ax.plot(intensity, [min(peak, bandwidth * x) / 1e9 for x in intensity], color="black",
+            label=f"this CPU: {bandwidth / 1e9:.0f} GB/s (MHA's bytes), {peak / 1e9:.0f} GFLOP/s")
+    for step, color in zip(longest, ["tab:blue", "tab:red", "tab:orange"]):
+        x = step.flops / step.n_bytes
+        ax.plot([x], [step.flops / step.seconds / 1e9], "o", ms=8, color=color,
+                label=f"{step.kind}: {x:.1f} FLOPs per byte, {step.seconds * 1e3:.1f} ms")
+    gpu_name, gpu_flops, gpu_bandwidth = mha.GPU
+    ax.axvline(gpu_flops / gpu_bandwidth, color="gray", ls="--", lw=1,
+               label=f"{gpu_name}'s ridge, {gpu_flops / gpu_bandwidth:.0f} FLOPs per byte (bf16)")
+    mha.log_axes(ax, [0.125, 1, 8, 64, 512], [1, 10, 100, 1000], xlabel=lambda x: f"{x:g}")
+    ax.set_xlabel("arithmetic intensity (FLOPs per byte read, fp32)")
+    ax.set_ylabel("GFLOP/s")
+    ax.legend(fontsize=8, loc="lower right")
+    fig.suptitle(f"One decode step of one layer at {mha.tokens_label(steps[-1].S)} cached tokens, fp32, DeepSeek-V2 "
+                 f"shape\n(h={h}, dh={dh}, dc={dc}, dr={dr}) on {mha.machine_name()}", fontsize=10)
+    if problems:
+        fig.text(0.5, 0.86, f"NOT TRUSTWORTHY: the machine was busy ({problems[0]})", ha="center", color="red",
+                 fontsize=9)
+    return fig
+
+
+# ----------------------------------------------------------------------------- main
+def main(argv=None):
+    args = parse_args(argv)
+    problem = mha.out_dir_problem(args.out_dir, FIGURES)
+    if problem:
+        print(f"mla.py: error: {problem}", file=sys.stderr)
+        return 1
+    print(f"Multi-head latent attention, d={D_MODEL}, h={N_HEADS}, dh={D_HEAD}: caches dc + dr = {D_LATENT} + "
+          f"{D_ROPE} = {D_LATENT + D_ROPE} numbers\nper token and layer, where MHA of the same heads caches "
+          f"2 h dh = {2 * N_HEADS * D_HEAD}\n")
+    ok = run_checks(args.seed)
+    print_cache_table()
+    steps, peak = measure_decode(tuple(sorted(set(DECODE_CONTEXTS))), DECODE_ROUNDS, args.seed)
+    problems = timing_contradictions(steps, peak)
+    print_decode_table(steps, peak, problems, time_the_trap(steps[0].S, args.seed))
+    pngs = {"mla_cache.png": mha.png_bytes(plot_cache()),
+            "mla_roofline.png": mha.png_bytes(plot_roofline(steps, peak, problems))}
+    try:
+        os.makedirs(args.out_dir, exist_ok=True)          # in case out_dir_problem did not make it
+    except OSError as e:
+        print(f"mla.py: error: cannot make the folder '{args.out_dir}': {e.strerror}", file=sys.stderr)
+        return 1
+    if not mha.write_figures("mla.py", args.out_dir, pngs):
+        return 1
+    print(f"\nFigures written to {mha.shown_path(args.out_dir)}: {', '.join(FIGURES)}")
+    print(f"Now change D_LATENT or D_ROPE and run again. All checks: {'OK' if ok else 'FAIL'}")
+    return 0 if ok else 1
+
+
+# ----------------------------------------------------------------------------- plumbing (not the lesson)
+# Each helper below exists so that a mistake a user can make ends in one sentence, not a traceback.
+def whole_number(name, value):
+    """value as an int if it is a whole number (int, numpy integer, ...); else TypeError in one sentence.
+
+    whole_number("n", 4) == 4; whole_number("n", 4.0), ("n", "4") and ("n", True) raise.
+    """
+    if not isinstance(value, bool):
+        try:
+            return operator.index(value)
+        except TypeError:
+            pass
+    raise TypeError(f"{name} must be a whole number, got {value!r}")
+
+
+def check_sizes(d_model, n_heads, d_head, d_latent, d_rope):
+    """The five sizes as ints, or TypeError / ValueError in one sentence naming the value and the rule."""
+    sizes = {"d_model": d_model, "n_heads": n_heads, "d_head": d_head, "d_latent": d_latent, "d_rope": d_rope}
+    sizes = {name: whole_number(name, value) for name, value in sizes.items()}
+    for name, value in sizes.items():
+        if value < 1:
+            raise ValueError(f"{name}={value} must be at least 1")
+    if sizes["d_rope"] % 2:
+        raise ValueError(f"d_rope={sizes['d_rope']} must be even: RoPE turns its dimensions in pairs")
+    return tuple(sizes.values())
+
+
+def check_call(attn, x, cache, absorbed):
+    """(B, T) of a forward call, or one sentence; a refused call writes nothing into the cache."""
+    if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[-1] != attn.d_model:
+        got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+        raise ValueError(f"x must have shape (B, T, {attn.d_model}), got {got}")
+    B, T = x.shape[:2]
+    if B < 1 or T < 1:
+        raise ValueError(f"x must hold at least one token of one sequence, got shape {tuple(x.shape)}")
+    dtype = attn.w_dkv.weight.dtype
+    if x.dtype != dtype:
+        raise ValueError(f"x is {x.dtype} but this module computes in {dtype}; convert one to the other")
+    if not isinstance(absorbed, bool):
+        raise TypeError(f"absorbed must be True or False, got {absorbed!r}")
+    if cache is None:
+        return B, T
+    if not isinstance(cache, LatentCache):
+        raise TypeError(f"cache must be a LatentCache from new_cache(), got {type(cache).__name__}")
+    if torch.is_grad_enabled() and (x.requires_grad or attn.w_dkv.weight.requires_grad):
+        raise RuntimeError("decoding with a cache writes it in place, which autograd cannot follow: call the "
+                           "module under torch.no_grad() or torch.inference_mode()")
+    max_len = cache.c.shape[1] if isinstance(cache.c, torch.Tensor) and cache.c.dim() == 3 else "max_len"
+    for name, t, width in (("latent c", cache.c, attn.d_latent), ("RoPE key", cache.k_rope, attn.d_rope)):
+        want = (B, max_len, width)
+        if not isinstance(t, torch.Tensor) or tuple(t.shape) != want or t.dtype != dtype:
+            got = f"{tuple(t.shape)} in {t.dtype}" if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"the cache's {name} is {got}, this call needs {want} in {dtype}")
+    length = whole_number("cache.length", cache.length)
+    if not 0 <= length <= cache.c.shape[1] - T:
+        raise ValueError(f"the cache holds {length} of at most {cache.c.shape[1]} tokens and cannot take {T} more")
+    cache.length = length
+    return B, T
+
+
+def check_knobs():
+    """Raise TypeError or ValueError, in one sentence naming the knob, unless every knob at the top can work."""
+    check_sizes(D_MODEL, N_HEADS, D_HEAD, D_LATENT, D_ROPE)
+    counts = {"SEQ_LEN": SEQ_LEN, "BATCH": BATCH, "CACHE_TOKENS": CACHE_TOKENS, "DECODE_ROUNDS": DECODE_ROUNDS,
+              "CACHE_BYTES_PER_ELEM": CACHE_BYTES_PER_ELEM, "GQA_KV_HEADS": GQA_KV_HEADS,
+              **{f"DECODE_CONTEXTS[{i}]": S for i, S in enumerate(DECODE_CONTEXTS)}}
+    if not DECODE_CONTEXTS:
+        raise ValueError("DECODE_CONTEXTS must hold at least one context length")
+    for name, value in counts.items():
+        if whole_number(name, value) < 1:
+            raise ValueError(f"{name}={value} must be at least 1")
+    if SEQ_LEN < 2:
+        raise ValueError(f"SEQ_LEN={SEQ_LEN} must be at least 2: a cached run needs a prompt and one more token")
+    for name, (layers, h, dh, dc, dr) in DEEPSEEK.items():
+        check_sizes(1, h, dh, dc, dr)
+        if h % GQA_KV_HEADS:
+            raise ValueError(f"GQA_KV_HEADS={GQA_KV_HEADS} must divide {name}'s {h} heads")
+
+
+def parse_args(argv=None):
+    """The flags, each defaulting to its knob; a bad value or a knob that cannot work exits 2 in one line."""
+    parser = mha.Parser(prog="mla.py", description="Multi-head latent attention (DeepSeek-V2): absorption "
+                        "proven, the MQA identity, cache tables, decode timing on the roofline, figures.",
+                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--out-dir", default=OUT_DIR, help="folder the figures are written to")
+    parser.add_argument("--seed", type=int, default=SEED, help="seed for every random number")
+    args = parser.parse_args(argv)
+    try:
+        check_knobs()
+    except (TypeError, ValueError) as e:
+        parser.error(str(e))
+    if not 0 <= args.seed < 2**32:
+        parser.error(f"--seed {args.seed} must be between 0 and 2**32 - 1")
+    return args
+
+
+if __name__ == "__main__":
+    mha.run_as_script(main)
