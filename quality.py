@@ -635,13 +635,20 @@ def print_table_d(ablation, roles, chance, seed):
         print(f"   {can_go} of {len(heads)} heads can go before the loss rises by more than {PRUNE_LIMIT} bits/char; "
               f"the next takes it to {curve[can_go + 1] - curve[0]:+.3f}")
     else:
-        print(f"   {can_go} of {len(heads)} heads can go and the loss has not risen by more than {PRUNE_LIMIT} bits/char")
+        print(f"   {can_go} of {len(heads)} heads can go and the loss has not risen by more than {PRUNE_LIMIT} "
+              "bits/char")
     prev = roles["previous"]
     layer, head = divmod(int(prev.argmax()), N_HEADS)
-    sharpness = [strongest(roles, chance, *hd)[1] for hd in heads]
     print(f"   does C predict D? the most previous-character-like head ({layer}.{head}) ranks {rank[layer, head]} of "
-          f"{len(heads)};\n   rank correlation of a head's 'strongest' multiple of uniform with its loss rise: "
-          f"{rank_correlation(sharpness, [rise[hd] for hd in heads]):+.2f} (Spearman; +1 would be a perfect prediction)")
+          f"{len(heads)}; rank correlation (Spearman, +1 if C\n   predicted D perfectly) of a head's 'strongest' "
+          f"multiple of uniform with its loss rise: {correlation(heads, roles, chance, rise):+.2f} over all heads, "
+          + ", ".join(f"{correlation([hd for hd in heads if hd[0] == i], roles, chance, rise):+.2f} within layer {i}"
+                      for i in range(N_LAYERS)))
+
+
+def correlation(heads, roles, chance, rise):
+    """Spearman's rank correlation of how sharp each head is (table C) with how much it is needed (D)."""
+    return rank_correlation([strongest(roles, chance, *hd)[1] for hd in heads], [rise[hd] for hd in heads])
 
 
 # ----------------------------------------------------------------------------- figures
@@ -904,7 +911,8 @@ class Progress:
             return
         self.last = now
         left = (now - self.start) / max(done, 1) * (self.total - done)
-        line = f"{part}: {done:,} of {self.total:,} training steps, elapsed {clock(now - self.start)}, left ~{clock(left)}"
+        line = (f"{part}: {done:,} of {self.total:,} training steps, elapsed {clock(now - self.start)}, "
+                f"left ~{clock(left)}")
         self.stream.write("\r" + line.ljust(self.width) if self.tty else line + "\n")
         self.width = len(line)
         self.stream.flush()
@@ -950,7 +958,7 @@ class Workers:
         self.processes = list(set(multiprocessing.active_children()) - self.before)
         waiting = futures
         while waiting:
-            done, waiting = concurrent.futures.wait(waiting, timeout=0.5, return_when="FIRST_EXCEPTION")
+            done, waiting = concurrent.futures.wait(waiting, 0.5, concurrent.futures.FIRST_EXCEPTION)
             for future in done:
                 future.result()                # a worker's exception, raised here with its traceback, at once
             self.progress.show(part, int(self.steps[0]))
