@@ -640,8 +640,9 @@ def print_table_d(ablation, roles, chance, seed):
     prev = roles["previous"]
     layer, head = divmod(int(prev.argmax()), N_HEADS)
     print(f"   does C predict D? the most previous-character-like head ({layer}.{head}) ranks {rank[layer, head]} of "
-          f"{len(heads)}; rank correlation (Spearman, +1 if C\n   predicted D perfectly) of a head's 'strongest' "
-          f"multiple of uniform with its loss rise: {correlation(heads, roles, chance, rise):+.2f} over all heads, "
+          f"{len(heads)}")
+    print("   rank correlation (Spearman; +1 if C predicted D perfectly) of a head's 'strongest' multiple of uniform")
+    print(f"   with its loss rise: {correlation(heads, roles, chance, rise):+.2f} over all heads, "
           + ", ".join(f"{correlation([hd for hd in heads if hd[0] == i], roles, chance, rise):+.2f} within layer {i}"
                       for i in range(N_LAYERS)))
 
