@@ -1,31 +1,28 @@
 """
-Multi-head latent attention (MLA), DeepSeek's answer to "what comes after GQA for the cache?", in one file.
+Multi-head latent attention (MLA): DeepSeek's answer to "what comes after GQA for the cache?", in one file.
 
-The second chapter, after mha.py. What this file shows, top to bottom:
-  1. LatentAttention: causal attention whose keys and values all come from one shared latent c = x W_DKV
-     (dc numbers per token), expanded per head by W_UK and W_UV, plus one decoupled RoPE key shared by every
-     head. The cache keeps only c and the RoPE key: dc + dr numbers per token, whatever the number of heads.
+The chapter after mha.py. What it shows, top to bottom:
+  1. LatentAttention: keys and values of every head come from one latent c = x W_DKV (dc numbers per token),
+     expanded per head by W_UK and W_UV, plus one RoPE key shared by all heads. The cache keeps c and that
+     key: dc + dr numbers per token and layer, however many heads (DeepSeek-V2: 576, against MHA's 32,768).
   2. Weight absorption, proven: the naive path rebuilds every head's K and V from the cache; the absorbed
-     path folds W_UK into the queries and applies W_UV after attention, and never builds them. Same
-     function (float64: within 1e-12), and the absorbed decode step IS multi-query attention with one K/V
-     head [c; k_R] and values c, checked against PyTorch's own GQA/MQA attention.
-  3. Why the RoPE key must be decoupled: rotate the content keys and absorption breaks (a check failing
-     on purpose).
-  4. The cache of DeepSeek-V2, V2-Lite and V3 next to MHA, GQA-8 and MQA of the same shape.
-  5. One absorbed decode step timed against the same-shaped MHA and GQA-8 steps on mha.py's roofline:
-     2 h S (2 dc + dr) FLOPs on S (dc + dr) numbers, about 121 FLOPs per byte in fp32, so MLA decoding
-     waits on arithmetic where MHA and GQA wait on memory.
+     path folds W_UK into the queries and applies W_UV after attention, and never builds them. The same
+     function (within 1e-12 in float64), and its decode step IS multi-query attention with one K/V head
+     [c; k_R] and values c. Why the RoPE key is decoupled: rotate the content keys and absorption breaks.
+  3. The cache of DeepSeek-V2, V2-Lite and V3, next to MHA, GQA-8 and MQA of the same shape.
+  4. One absorbed decode step timed against the same-shaped MHA and GQA-8 steps, on mha.py's roofline: about
+     121 FLOPs per byte in fp32, so MLA decoding waits on arithmetic where MHA waits on memory.
 
-What it deliberately does not do: query compression (DeepSeek-V2 compresses queries too, V2-Lite does not;
-it saves activations, not cache), YaRN's RoPE scaling, training, mixed precision, any GPU kernel.
+What it does not do: query compression (DeepSeek-V2 has it, V2-Lite not; it saves activations, not cache),
+YaRN's RoPE scaling, training, mixed precision, GPU kernels.
 
-Run it:   python mla.py           (a few seconds on a 2-core CPU; writes figures/mla_*.png)
-          Then edit D_LATENT or D_ROPE below and rerun.
+Run it:   python mla.py     (a few seconds on a 2-core CPU; writes figures/mla_*.png), then edit D_LATENT or
+          D_ROPE below and rerun.
 
 Papers: DeepSeek-AI 2024, "DeepSeek-V2: A Strong, Economical, and Efficient Mixture-of-Experts Language
-        Model", arXiv:2405.04434 (section 2.1: MLA).
-        DeepSeek-AI 2024, "DeepSeek-V3 Technical Report", arXiv:2412.19437.
-        Su et al. 2021, "RoFormer: Enhanced Transformer with Rotary Position Embedding", arXiv:2104.09864.
+        Model", arXiv:2405.04434 (section 2.1: MLA).   DeepSeek-AI 2024, "DeepSeek-V3 Technical Report",
+        arXiv:2412.19437.   Su et al. 2021, "RoFormer: Enhanced Transformer with Rotary Position
+        Embedding", arXiv:2104.09864.
 
 Shapes: mha.py's alphabet (B batch, T new tokens, d model width, h query heads, kv K/V heads, dh head width,
 S keys a query can see), plus dc the latent width and dr the RoPE width.
@@ -321,19 +318,22 @@ def cache_rows(layers, h, dh, dc, dr):
 def print_cache_table():
     layers, h, dh, dc, dr = DEEPSEEK["DeepSeek-V2"]
     n, n_mha = latent_cache_bytes(layers, dc, dr, CACHE_TOKENS), mha.kv_cache_bytes(layers, h, dh, CACHE_TOKENS)
-    print(f"\n2. The cache, in bf16 (GB = 1e9 bytes). DeepSeek-V2 at {CACHE_TOKENS} tokens: latent_cache_bytes("
+    print(f"\n2. The cache in bf16, batch 1, {CACHE_TOKENS} tokens (GB = 1e9 bytes). DeepSeek-V2: latent_cache_bytes("
           f"{layers}, {dc}, {dr}, {CACHE_TOKENS})\n   = {n:,} bytes = {n / 1e9:.2f} GB, against {n_mha / 1e9:.1f} GB "
-          f"for MHA of the same layers, h and dh. Per request, batch 1, next to\n   GQA-{GQA_KV_HEADS} and MQA; "
-          "MLA careless: every head's K (dh + dr wide) and V rebuilt from the latent and kept:")
-    print(f"   {'model':<18}{'kind':<15}{'numbers per token-layer':>25}{'cache':>11}{'vs MHA':>9}")
+          "for MHA with the same layers, h and dh.\n   MLA careless: every head's K (dh + dr wide) and V rebuilt "
+          "from the latent and kept.")
+    rows = cache_rows(layers, h, dh, dc, dr)
+    widths = [10, 9, 9, 10, 15]                           # one column per kind
+    print(f"   {'numbers per token-layer:':<29}" + "".join(f"{f:>{w}}" for (_, _, f), w in zip(rows, widths)))
+    print(f"   {'model':<17}{'layers':>7}{'h':>5}" + "".join(f"{k.replace(',', ''):>{w}}" for (k, _, _), w in
+                                                           zip(rows, widths)) + f"{'MLA vs MHA':>12}")
     for name, shape in DEEPSEEK.items():
-        label = [name, f"{shape[0]} layers, h={shape[1]}"]
         rows = cache_rows(*shape)
-        for i, (kind, numbers, formula) in enumerate(rows):
-            n = shape[0] * numbers * CACHE_TOKENS * CACHE_BYTES_PER_ELEM
-            print(f"   {label[i] if i < 2 else '':<18}{kind:<15}{formula:>14} = {numbers:>8,}"
-                  f"{n / 1e9:>8.2f} GB{rows[0][1] / numbers:>8.1f}x")
-    print("   MLA keeps 2.25 times MQA's numbers, yet every head has keys and values of its own: W_UK,i c, W_UV,i c.")
+        gbs = [shape[0] * numbers * CACHE_TOKENS * CACHE_BYTES_PER_ELEM / 1e9 for _, numbers, _ in rows]
+        cells = "".join(f"{f'{x:.2f} GB':>{w}}" for x, w in zip(gbs, widths))
+        print(f"   {name:<17}{shape[0]:>7}{shape[1]:>5}{cells}{rows[0][1] / rows[3][1]:>11.1f}x")
+    print(f"   MLA keeps {dc + dr} numbers per token-layer, 2.25 times MQA's {2 * dh}, yet every head has keys and "
+          "values of its own.")
 
 
 # ----------------------------------------------------------------------------- decode time: a roofline
@@ -373,13 +373,13 @@ class Step:
 
 
 def measure_decode(contexts, rounds, seed):
-    """[Step] of MLA (absorbed, latent_attend), MHA and GQA (mha.attend) at DeepSeek-V2's layer shape in
-    fp32, and the matmul ceiling in FLOP/s: the faster of a 512- and a 1024-wide square product.
+    """[Step] of MLA (latent_attend), MHA and GQA (mha.attend) at DeepSeek-V2's layer shape in fp32, and the
+    matmul ceiling in FLOP/s: the faster of a 512- and a 1024-wide square product.
 
-    The bandwidth is measured on each step's own tensors: a 9 MB latent cache and a 537 MB MHA cache are
-    not read at the same speed. Each round reads all of them, then runs all the steps, longest context
-    first, so that hundreds of MB pass between a read and its step: both find the bytes out of the CPU's
-    caches, where a step of a deep model finds them after the other layers. Each keeps its best round.
+    The bandwidth is measured on each step's own tensors (a 9 MB latent cache and a 537 MB MHA cache are
+    not read at the same speed). Each round reads them all, then runs all the steps, longest context first:
+    between a read and its step hundreds of MB pass, so both find the bytes out of the CPU's caches, as a
+    step of a deep model does after the other layers. Each keeps its best round.
     """
     _, h, dh, dc, dr = DEEPSEEK["DeepSeek-V2"]
     s_max = max(contexts)
@@ -406,6 +406,8 @@ def measure_decode(contexts, rounds, seed):
                 step.read_seconds = min(step.read_seconds, seconds_of(read))
             for step, run, _ in runs:
                 step.seconds = min(step.seconds, seconds_of(run))
+            for n, (a, b) in squares.items():           # again at the round's end: a busy moment misses one
+                best_matmul[n] = min(best_matmul[n], seconds_of(lambda a=a, b=b: a @ b))
     steps = sorted((step for step, _, _ in runs), key=lambda step: step.S)   # stable: MLA, MHA, GQA per context
     return steps, max(2 * n**3 / t for n, t in best_matmul.items())
 
@@ -522,6 +524,8 @@ def plot_roofline(steps, peak, problems):
     gpu_name, gpu_flops, gpu_bandwidth = mha.GPU
     ax.axvline(gpu_flops / gpu_bandwidth, color="gray", ls="--", lw=1,
                label=f"{gpu_name}'s ridge, {gpu_flops / gpu_bandwidth:.0f} FLOPs per byte (bf16)")
+    mla_bf16 = 2 * longest[0].flops / longest[0].n_bytes                   # bf16 reads half the bytes
+    ax.axvline(mla_bf16, color="tab:blue", ls=":", lw=1, label=f"MLA in bf16: {mla_bf16:.0f} FLOPs per byte")
     mha.log_axes(ax, [0.125, 1, 8, 64, 512], [1, 10, 100, 1000], xlabel=lambda x: f"{x:g}")
     ax.set_xlabel("arithmetic intensity (FLOPs per byte read, fp32)")
     ax.set_ylabel("GFLOP/s")
@@ -626,17 +630,15 @@ def check_call(attn, x, cache, absorbed):
 def check_knobs():
     """Raise TypeError or ValueError, in one sentence naming the knob, unless every knob at the top can work."""
     check_sizes(D_MODEL, N_HEADS, D_HEAD, D_LATENT, D_ROPE)
+    if not DECODE_CONTEXTS:
+        raise ValueError("DECODE_CONTEXTS must hold at least one context length")
     counts = {"SEQ_LEN": SEQ_LEN, "BATCH": BATCH, "CACHE_TOKENS": CACHE_TOKENS, "DECODE_ROUNDS": DECODE_ROUNDS,
               "CACHE_BYTES_PER_ELEM": CACHE_BYTES_PER_ELEM, "GQA_KV_HEADS": GQA_KV_HEADS,
               **{f"DECODE_CONTEXTS[{i}]": S for i, S in enumerate(DECODE_CONTEXTS)}}
-    if not DECODE_CONTEXTS:
-        raise ValueError("DECODE_CONTEXTS must hold at least one context length")
     for name, value in counts.items():
-        if whole_number(name, value) < 1:
-            raise ValueError(f"{name}={value} must be at least 1")
-    if SEQ_LEN < 2:
-        raise ValueError(f"SEQ_LEN={SEQ_LEN} must be at least 2: a cached run needs a prompt and one more token")
-    for name, (layers, h, dh, dc, dr) in DEEPSEEK.items():
+        if whole_number(name, value) < (2 if name == "SEQ_LEN" else 1):
+            raise ValueError(f"{name}={value} must be at least {2 if name == 'SEQ_LEN' else 1}")
+    for name, (_, h, dh, dc, dr) in DEEPSEEK.items():
         check_sizes(1, h, dh, dc, dr)
         if h % GQA_KV_HEADS:
             raise ValueError(f"GQA_KV_HEADS={GQA_KV_HEADS} must divide {name}'s {h} heads")

@@ -340,7 +340,7 @@ def test_default_run_prints_every_check_and_writes_both_figures(default_run):
     assert r.returncode == 0 and r.stderr == "", r.stderr
     assert r.stdout.count("  OK  (tolerance") == 5 and "FAIL, as it must" in r.stdout
     assert "latent_cache_bytes(60, 512, 64, 4096)\n   = 283,115,520 bytes = 0.28 GB, against 16.1 GB" in r.stdout
-    assert "                     MLA                   dc + dr =      576    0.28 GB    56.9x" in r.stdout
+    assert "   DeepSeek-V2           60  128  16.11 GB  1.01 GB  0.13 GB   0.28 GB       20.13 GB       56.9x" in r.stdout
     assert "3. Decode step" in r.stdout and mha.machine_name().split(",")[0] in r.stdout
     assert r.stdout.rstrip().endswith("All checks: OK")
     assert sorted(os.listdir(out)) == sorted(mla.FIGURES)
