@@ -14,8 +14,9 @@ wobble; ratios of interleaved runs much less), and a last line that says whether
      (into a buffer allocated once, as a server would; a fresh allocation per step adds noise)  goal: >= 5x
 
 A busy machine shows up as contradictions: a configuration with fewer K/V heads slower than one with
-more, an attention faster than its roofline floor, or rounds whose ratios scatter widely. Then the last
-line says NOT TRUSTWORTHY and what it saw.
+more, an attention faster than its roofline floor, rounds whose ratios scatter widely, or other programs
+keeping a quarter of a core or more busy meanwhile (measured, where Linux says). Then the last line says
+NOT TRUSTWORTHY and what it saw.
 
 Run: python bench.py          (about a minute; needs about 2 GB of memory)
 """
@@ -215,9 +216,13 @@ def main(argv=None):
                         "run, goals from the roofline, and a last line that says whether the timings hold together.")
     parser.parse_args(argv)
     print(f"torch {torch.__version__}, {mha.machine_name()}\n")
+    start = mha.cpu_seconds()
     bench_forward()
     bench_whole_run()
     bench_decode()
+    elsewhere = mha.cores_elsewhere(start)
+    if elsewhere > 0.25:
+        CONTRADICTIONS.insert(0, f"other programs kept {elsewhere:.1f} cores busy")
     if CONTRADICTIONS:
         print(f"NOT TRUSTWORTHY, the machine was busy: {'; '.join(CONTRADICTIONS[:3])}"
               f"{f' (and {len(CONTRADICTIONS) - 3} more)' if len(CONTRADICTIONS) > 3 else ''}")

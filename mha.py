@@ -8,21 +8,19 @@ What this file shows, top to bottom:
      (MQA, Shazeer 2019), where all query heads share a single key/value head.
   2. The proof that every reshape is right: with the weights of PyTorch's own nn.MultiheadAttention
      copied in, CausalMHA gives the same output to the last bit (max difference exactly 0.0).
-  3. The KV cache in bytes, for a Llama-7B-shaped model and for published models: during generation
-     every past token's keys and values are kept, and that cache, not the weights, caps how many users a
-     GPU can serve. Sharing K/V heads shrinks it by n_heads / n_kv_heads.
-  4. Decoding with a real cache, token by token: a decode step reads the whole cache once, and GQA/MQA
-     are faster only if K/V are never copied back to n_heads.
-  5. Decode time against the roofline: a step does g / 2 FLOPs per byte it reads (fp32), so a step waits
-     on memory below the machine's ridge and on arithmetic above it. Both ceilings are measured in the
-     same run, the read rate on the very bytes each step reads (a small cache sits in the CPU's caches),
-     and the timings say so when they contradict each other, as they do on a busy machine.
-  6. Figures (after main()): per-head attention maps, cache sizes, which query heads share which K/V
-     head, decode time against the roofline.
+  3. The KV cache in bytes, for a Llama-7B-shaped model and for published models: that cache, not the
+     weights, caps how many users a GPU can serve, and sharing K/V heads shrinks it by n_heads / n_kv_heads.
+  4. Decoding with a real cache, token by token, without ever copying K/V back to n_heads.
+  5. Decode time against the roofline: a step does g / 2 FLOPs per byte it reads (fp32), so it waits on
+     memory below the machine's ridge and on arithmetic above it. Both ceilings are measured in the same
+     run, the read rate on the very bytes each step reads, and the timings say so when they contradict
+     each other, as they do on a busy machine.
+  Figures and plumbing come after main(): attention maps, cache sizes, which query heads share which
+  K/V head, decode time against the roofline.
 
-What it deliberately does not do: train anything (the weights are random, so the attention maps show
-the causal triangle, not learned roles; quality.py trains small models to measure what GQA costs, and
-mla.py shows what comes after GQA), dropout, padding masks, cross-attention, positional encodings.
+What it deliberately does not do: train (the weights are random, so the attention maps show the causal
+triangle; quality.py measures what GQA costs, mla.py what comes after it), dropout, padding masks,
+cross-attention, positional encodings.
 
 Run it:   python mha.py                     (a few seconds on a 2-core CPU; writes figures/)
           python mha.py --n-kv-heads 2      (or edit N_KV_HEADS below, and rerun)
@@ -226,7 +224,7 @@ class CausalMHA(nn.Module):
 
     def new_cache(self, batch, max_len):
         """An empty KVCache for `batch` sequences of up to `max_len` tokens, in this module's dtype."""
-        batch, max_len = check_cache_size(batch, max_len)
+        batch, max_len = check_cache_size(self, batch, max_len)
         shape = (batch, self.n_kv_heads, max_len, self.d_head)      # (B, kv, max_len, dh)
         dtype = self.in_proj.weight.dtype
         return KVCache(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype))
@@ -555,14 +553,14 @@ def roofline(flops, n_bytes, ceilings):
 @dataclass
 class DecodeTiming:
     """What measure_decode saw. steps and reads: {kv: [seconds, one per context]}, the best round of a
-    decode step and of one read of the same K and V; flops: a float32 matmul's FLOP/s; scatter: how far a
-    typical measurement's median round lies above its best (near 1 on a quiet machine)."""
+    decode step and of one read of the same K and V; flops: a float32 matmul's FLOP/s; elsewhere: how
+    many of the machine's cores other programs kept busy meanwhile (0 on a quiet machine)."""
     contexts: tuple
     steps: dict
     reads: dict
     flops: float
     rounds: int = 1
-    scatter: float = 1.0
+    elsewhere: float = 0.0
 
     def ceilings(self, kv, S):
         """The step's two ceilings: the rate at which its own K and V were read, and the matmul's FLOP/s."""
@@ -605,28 +603,30 @@ def measure_decode(contexts=DECODE_CONTEXTS, kv_heads=LLAMA_KV_HEADS, rounds=DEC
             k, v = pairs[kv][:, :, :, :S]                  # (B, kv, S, dh) each
             jobs["step", kv, S] = (attend, q, k, v)
             jobs["read", kv, S] = (torch.sum, pairs[kv][:, :, :, :S])   # the same bytes, (2, B, kv, S, dh)
-    seconds = {key: [] for key in jobs}
+    best = dict.fromkeys(jobs, float("inf"))
+    start = cpu_seconds()                                  # to see what other programs ran meanwhile
     with torch.no_grad():
         for _ in range(rounds):
             for key, (fn, *args) in jobs.items():
                 t0 = time.perf_counter()
                 fn(*args)
-                seconds[key].append(time.perf_counter() - t0)
-    best = {key: min(s) for key, s in seconds.items()}
-    scatter = sorted(sorted(s)[len(s) // 2] / min(s) for s in seconds.values())[len(seconds) // 2]
+                best[key] = min(best[key], time.perf_counter() - t0)
     return DecodeTiming(contexts, steps={kv: [best["step", kv, S] for S in contexts] for kv in kv_heads},
                         reads={kv: [best["read", kv, S] for S in contexts] for kv in kv_heads},
-                        flops=2 * MATMUL_N**3 / best["matmul"], rounds=rounds, scatter=scatter)
+                        flops=2 * MATMUL_N**3 / best["matmul"], rounds=rounds, elsewhere=cores_elsewhere(start))
 
 
-def timing_contradictions(timing, slack=0.1, scatter=1.5):
+def timing_contradictions(timing, slack=0.1, elsewhere=0.25):
     """What in the measurements cannot be true of a quiet machine; [] when they hold together.
 
-    A step more than `slack` faster than its roofline floor; from 1024 cached tokens on, a step more than
-    `slack` slower than the same step with more K/V heads (more bytes, the same FLOPs); or rounds whose
-    typical median lies `scatter` times above their best: something else ran while they were timed.
+    Other programs keeping more than `elsewhere` of a core busy; a step more than `slack` faster than its
+    roofline floor; or, from 1024 cached tokens on, a step more than `slack` slower than the same step with
+    more K/V heads (more bytes, the same FLOPs). The best of several rounds hides a moment of load, not a
+    program that runs throughout, so that one is measured directly.
     """
     problems = []
+    if timing.elsewhere > elsewhere:
+        problems.append(f"other programs kept {timing.elsewhere:.1f} cores busy")
     for kv, row in timing.steps.items():
         for S, t in zip(timing.contexts, row):
             floor, _ = timing.floor(kv, S)
@@ -639,21 +639,7 @@ def timing_contradictions(timing, slack=0.1, scatter=1.5):
             if S >= 1024 and timing.steps[fewer][i] > (1 + slack) * timing.steps[more][i]:
                 problems.append(f"{attention_kind(LLAMA_HEADS, fewer)} is slower than "
                                 f"{attention_kind(LLAMA_HEADS, more)} at {S} tokens")
-    if timing.scatter > scatter:
-        problems.append(f"the rounds scatter, a typical median round is {timing.scatter:.1f}x the best")
     return problems
-
-
-def machine_name():
-    """The CPU the timings ran on, e.g. 'AMD EPYC, 2 threads, AVX2' (the model name Linux reports)."""
-    name = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            name = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    threads = torch.get_num_threads()
-    return f"{name}, {threads} thread{'s' if threads > 1 else ''}, {torch.backends.cpu.get_cpu_capability()}"
 
 
 def print_decode_table(timing, problems):
@@ -951,6 +937,10 @@ def check_sizes(d_model, n_heads, n_kv_heads, bias=True):
     if not 1 <= n_kv_heads <= n_heads or n_heads % n_kv_heads:
         raise ValueError(f"n_kv_heads={n_kv_heads} must be a positive divisor of n_heads={n_heads} "
                          f"(1 = MQA, {n_heads} = MHA, a divisor in between = GQA)")
+    weights = 4 * d_model * (d_model // n_heads * (n_heads + 2 * n_kv_heads) + d_model)   # float32 bytes
+    if weights > memory_bytes():
+        raise ValueError(f"d_model={d_model} needs {weights / 1e9:,.0f} GB of weights, more than this "
+                         f"machine's {memory_bytes() / 1e9:.0f} GB of memory")
     return d_model, n_heads, n_kv_heads
 
 
@@ -1043,11 +1033,23 @@ def byte_range(t):
     return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
 
 
-def check_cache_size(batch, max_len):
+def check_cache_size(attn, batch, max_len):
     batch, max_len = whole_number("batch", batch), whole_number("max_len", max_len)
     if batch < 1 or max_len < 1:
         raise ValueError(f"a cache needs batch >= 1 and max_len >= 1, got batch={batch}, max_len={max_len}")
+    n_bytes = 2 * batch * attn.n_kv_heads * max_len * attn.d_head * attn.in_proj.weight.element_size()
+    if n_bytes > memory_bytes():
+        raise ValueError(f"a cache of batch={batch}, max_len={max_len} needs {n_bytes / 1e9:,.0f} GB, more than "
+                         f"this machine's {memory_bytes() / 1e9:.0f} GB of memory")
     return batch, max_len
+
+
+def memory_bytes():
+    """The machine's memory in bytes (infinite where the system does not say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return math.inf
 
 
 def check_copyable(ref):
@@ -1241,6 +1243,42 @@ def write_figures(prog, folder, pngs):
         print(f"{prog}: error: cannot write '{e.filename}': {e.strerror}", file=sys.stderr)
         return False
     return True
+
+
+def machine_name():
+    """The CPU the timings ran on, e.g. 'AMD EPYC, 2 threads, AVX2' (the model name Linux reports)."""
+    name = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            name = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    threads = torch.get_num_threads()
+    return f"{name}, {threads} thread{'s' if threads > 1 else ''}, {torch.backends.cpu.get_cpu_capability()}"
+
+
+def cpu_seconds():
+    """(wall clock, CPU seconds the whole machine was busy, CPU seconds of this process and its children).
+
+    The machine's from /proc/stat (Linux; time a hypervisor stole from this VM counts as busy), so that
+    cores_elsewhere() can tell what other programs used; None where there is no /proc/stat.
+    """
+    try:
+        with open("/proc/stat") as f:
+            user, nice, system, _idle, _iowait, irq, softirq, steal = map(int, f.readline().split()[1:9])
+    except (OSError, ValueError):
+        return None
+    own = os.times()
+    busy = (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+    return time.perf_counter(), busy, own.user + own.system + own.children_user + own.children_system
+
+
+def cores_elsewhere(start):
+    """How many cores other programs kept busy, on average, since start = cpu_seconds(); 0 if unknown."""
+    end = cpu_seconds()
+    if start is None or end is None or end[0] <= start[0]:
+        return 0.0
+    return max(0.0, ((end[1] - start[1]) - (end[2] - start[2])) / (end[0] - start[0]))
 
 
 def shown_path(folder):
