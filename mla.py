@@ -384,14 +384,15 @@ def measure_decode(contexts, rounds, seed):
     _, h, dh, dc, dr = DEEPSEEK["DeepSeek-V2"]
     s_max = max(contexts)
     torch.manual_seed(seed)
-    latent = torch.full((1, s_max, dc + dr), 0.01)        # (B, S, dc + dr): c, then k_R; written, so in memory
+    c_all, k_rope_all = torch.full((1, s_max, dc), 0.01), torch.full((1, s_max, dr), 0.01)   # as LatentCache
     kv_bufs = {kv: torch.full((2, 1, kv, s_max, dh), 0.01) for kv in (h, GQA_KV_HEADS)}   # K, V: (B, kv, S, dh)
     q_lat, q_rope, q = torch.randn(1, h, 1, dc), torch.randn(1, h, 1, dr), torch.randn(1, h, 1, dh)
     runs = []                                             # (Step, the step, a read of the step's bytes)
     for S in sorted(contexts, reverse=True):
-        c, k_rope = latent[:, :S, :dc], latent[:, :S, dc:]   # (B, S, dc), (B, S, dr): views, nothing copied
+        c, k_rope = c_all[:, :S], k_rope_all[:, :S]       # (B, S, dc), (B, S, dr): views, nothing copied
         runs.append((Step("MLA", S, *mla_step_work(S, h, dc, dr)),
-                     lambda c=c, k=k_rope: latent_attend(q_lat, q_rope, c, k, (dh + dr) ** -0.5), latent[:, :S].sum))
+                     lambda c=c, k=k_rope: latent_attend(q_lat, q_rope, c, k, (dh + dr) ** -0.5),
+                     lambda c=c, k=k_rope: (c.sum(), k.sum())))
         for kv, buf in kv_bufs.items():
             k, v = buf[:, :, :, :S]                       # (B, kv, S, dh) each: views
             runs.append((Step(mha.attention_kind(h, kv), S, *gqa_step_work(S, h, kv, dh)),
