@@ -29,9 +29,7 @@ S keys a query can see), plus dc the latent width and dr the RoPE width.
 """
 
 import argparse
-import operator
 import os
-import sys
 import time
 from dataclasses import dataclass
 
@@ -40,6 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import mha
+from mha import whole_number
 
 # ----------------------------------------------------------------------------- knobs
 D_MODEL = 256        # d: model width
@@ -399,6 +398,7 @@ def measure_decode(contexts, rounds, seed):
                          lambda k=k, v=v: mha.attend(q, k, v), buf[:, :, :, :S].sum))
     squares = {n: (torch.randn(n, n), torch.randn(n, n)) for n in (512, 1024)}
     best_matmul = dict.fromkeys(squares, float("inf"))
+    start = mha.cpu_seconds()                             # to see what other programs ran meanwhile
     with torch.no_grad():
         for _ in range(rounds):
             for n, (a, b) in squares.items():
@@ -410,14 +410,17 @@ def measure_decode(contexts, rounds, seed):
             for n, (a, b) in squares.items():           # again at the round's end: a busy moment misses one
                 best_matmul[n] = min(best_matmul[n], seconds_of(lambda a=a, b=b: a @ b))
     steps = sorted((step for step, _, _ in runs), key=lambda step: step.S)   # stable: MLA, MHA, GQA per context
-    return steps, max(2 * n**3 / t for n, t in best_matmul.items())
+    return steps, max(2 * n**3 / t for n, t in best_matmul.items()), mha.cores_elsewhere(start)
 
 
-def timing_contradictions(steps, peak, slack=0.1):
-    """What in the measurements cannot be true of a quiet machine; [] when they hold together: a step more
-    than `slack` under its floor, or faster than itself at a shorter context, or GQA slower than MHA
-    (fewer bytes, the same FLOPs)."""
+def timing_contradictions(steps, peak, elsewhere=0.0, slack=0.1):
+    """What in the measurements cannot be true of a quiet machine; [] when they hold together: other
+    programs keeping more than a quarter of a core busy (`elsewhere` cores, as mha.cores_elsewhere measures
+    them), a step more than `slack` under its floor, or faster than itself at a shorter context, or GQA
+    slower than MHA (fewer bytes, the same FLOPs)."""
     problems, by_key = [], {(step.kind, step.S): step for step in steps}
+    if elsewhere > 0.25:
+        problems.append(f"other programs kept {elsewhere:.1f} cores busy")
     for step in steps:
         floor, _ = step.floor(peak)
         if step.seconds < (1 - slack) * floor:
@@ -541,26 +544,17 @@ def plot_roofline(steps, peak, problems):
 
 # ----------------------------------------------------------------------------- main
 def main(argv=None):
-    args = parse_args(argv)
-    problem = mha.out_dir_problem(args.out_dir, FIGURES)
-    if problem:
-        print(f"mla.py: error: {problem}", file=sys.stderr)
-        return 1
+    args = parse_args(argv)        # a bad flag, knob or --out-dir ends here, in one line (exit code 2)
     print(f"Multi-head latent attention, d={D_MODEL}, h={N_HEADS}, dh={D_HEAD}: caches dc + dr = {D_LATENT} + "
           f"{D_ROPE} = {D_LATENT + D_ROPE} numbers\nper token and layer, where MHA of the same heads caches "
           f"2 h dh = {2 * N_HEADS * D_HEAD}\n")
     ok = run_checks(args.seed)
     print_cache_table()
-    steps, peak = measure_decode(tuple(sorted(set(DECODE_CONTEXTS))), DECODE_ROUNDS, args.seed)
-    problems = timing_contradictions(steps, peak)
+    steps, peak, elsewhere = measure_decode(tuple(sorted(set(DECODE_CONTEXTS))), DECODE_ROUNDS, args.seed)
+    problems = timing_contradictions(steps, peak, elsewhere)
     print_decode_table(steps, peak, problems, time_the_trap(steps[0].S, args.seed))
     pngs = {"mla_cache.png": mha.png_bytes(plot_cache()),
             "mla_roofline.png": mha.png_bytes(plot_roofline(steps, peak, problems))}
-    try:
-        os.makedirs(args.out_dir, exist_ok=True)          # in case out_dir_problem did not make it
-    except OSError as e:
-        print(f"mla.py: error: cannot make the folder '{args.out_dir}': {e.strerror}", file=sys.stderr)
-        return 1
     if not mha.write_figures("mla.py", args.out_dir, pngs):
         return 1
     print(f"\nFigures written to {mha.shown_path(args.out_dir)}: {', '.join(FIGURES)}")
@@ -570,19 +564,6 @@ def main(argv=None):
 
 # ----------------------------------------------------------------------------- plumbing (not the lesson)
 # Each helper below exists so that a mistake a user can make ends in one sentence, not a traceback.
-def whole_number(name, value):
-    """value as an int if it is a whole number (int, numpy integer, ...); else TypeError in one sentence.
-
-    whole_number("n", 4) == 4; whole_number("n", 4.0), ("n", "4") and ("n", True) raise.
-    """
-    if not isinstance(value, bool):
-        try:
-            return operator.index(value)
-        except TypeError:
-            pass
-    raise TypeError(f"{name} must be a whole number, got {value!r}")
-
-
 def check_sizes(d_model, n_heads, d_head, d_latent, d_rope):
     """The five sizes as ints, or TypeError / ValueError in one sentence naming the value and the rule."""
     sizes = {"d_model": d_model, "n_heads": n_heads, "d_head": d_head, "d_latent": d_latent, "d_rope": d_rope}
@@ -612,7 +593,8 @@ def check_call(attn, x, cache, absorbed):
         return B, T
     if not isinstance(cache, LatentCache):
         raise TypeError(f"cache must be a LatentCache from new_cache(), got {type(cache).__name__}")
-    if torch.is_grad_enabled() and (x.requires_grad or attn.w_dkv.weight.requires_grad):
+    tensors = [t for t in (cache.c, cache.k_rope) if isinstance(t, torch.Tensor)]
+    if torch.is_grad_enabled() and any(t.requires_grad for t in [x, *tensors, *attn.parameters()]):
         raise RuntimeError("decoding with a cache writes it in place, which autograd cannot follow: call the "
                            "module under torch.no_grad() or torch.inference_mode()")
     max_len = cache.c.shape[1] if isinstance(cache.c, torch.Tensor) and cache.c.dim() == 3 else "max_len"
@@ -621,6 +603,16 @@ def check_call(attn, x, cache, absorbed):
         if not isinstance(t, torch.Tensor) or tuple(t.shape) != want or t.dtype != dtype:
             got = f"{tuple(t.shape)} in {t.dtype}" if isinstance(t, torch.Tensor) else type(t).__name__
             raise ValueError(f"the cache's {name} is {got}, this call needs {want} in {dtype}")
+    for name, t in (("latent c", cache.c), ("RoPE key", cache.k_rope)):
+        if t.is_inference() and not torch.is_inference_mode_enabled():
+            raise RuntimeError(f"the cache's {name} was made under torch.inference_mode(), so only a call "
+                               "under torch.inference_mode() can write it")
+        if mha.shares_memory(t):
+            raise ValueError(f"positions of the cache's {name} share memory (a stride of 0?), so writing one "
+                             "would overwrite another: give it memory of its own")
+    if mha.shares_memory(cache.c, cache.k_rope):
+        raise ValueError("the cache's latent c and RoPE key share memory, so writing one would overwrite the "
+                         "other: give each its own tensor")
     length = whole_number("cache.length", cache.length)
     if not 0 <= length <= cache.c.shape[1] - T:
         raise ValueError(f"the cache holds {length} of at most {cache.c.shape[1]} tokens and cannot take {T} more")
@@ -639,6 +631,11 @@ def check_knobs():
     for name, value in counts.items():
         if whole_number(name, value) < (2 if name == "SEQ_LEN" else 1):
             raise ValueError(f"{name}={value} must be at least {2 if name == 'SEQ_LEN' else 1}")
+    _, h, dh, dc, dr = DEEPSEEK["DeepSeek-V2"]                # the timed shape: K/V of MHA and GQA, the latent
+    needed = max(DECODE_CONTEXTS) * 4 * (2 * (h + GQA_KV_HEADS) * dh + dc + dr)
+    if needed > mha.DECODE_MEMORY:
+        raise ValueError(f"DECODE_CONTEXTS up to {max(DECODE_CONTEXTS):,} tokens need {needed / 1e9:.1f} GB for the "
+                         f"decode timing; at most {mha.DECODE_MEMORY / 1e9:.0f} GB")
     for name, (_, h, dh, dc, dr) in DEEPSEEK.items():
         check_sizes(1, h, dh, dc, dr)
         if h % GQA_KV_HEADS:
@@ -659,6 +656,9 @@ def parse_args(argv=None):
         parser.error(str(e))
     if not 0 <= args.seed < 2**32:
         parser.error(f"--seed {args.seed} must be between 0 and 2**32 - 1")
+    problem = mha.out_dir_problem(args.out_dir, FIGURES)
+    if problem:
+        parser.error(problem)
     return args
 
 

@@ -2,12 +2,12 @@
 
 import errno
 import os
-import re
 import subprocess
 import sys
 
 import pytest
 import torch
+from conftest import comparable
 
 import mha
 
@@ -55,20 +55,6 @@ def test_default_run_prints_the_evidence(two_runs):
     assert r.stderr == ""
 
 
-# A printed value checked against a tolerance may differ in its last bits between CPUs (AVX2, AVX-512,
-# ATEN_CPU_CAPABILITY=default): such lines are compared up to the value, which must still pass its check.
-TOLERANCE_LINE = re.compile(r"= (\d\.\d\de[+-]\d\d)  OK  \(tolerance (\S+)\)$")
-
-
-def comparable(text):
-    lines = []
-    for line in text.splitlines():
-        m = TOLERANCE_LINE.search(line)
-        if m:
-            assert float(m.group(1)) <= float(m.group(2)), line
-            line = line[:m.start(1)] + "<value>" + line[m.end(1):]
-        lines.append(line)
-    return lines
 
 
 def test_comparable_masks_only_tolerance_values():
