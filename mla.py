@@ -578,15 +578,8 @@ def check_sizes(d_model, n_heads, d_head, d_latent, d_rope):
 
 def check_call(attn, x, cache, absorbed):
     """(B, T) of a forward call, or one sentence; a refused call writes nothing into the cache."""
-    if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[-1] != attn.d_model:
-        got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
-        raise ValueError(f"x must have shape (B, T, {attn.d_model}), got {got}")
-    B, T = x.shape[:2]
-    if B < 1 or T < 1:
-        raise ValueError(f"x must hold at least one token of one sequence, got shape {tuple(x.shape)}")
+    B, T = mha.check_x(x, attn.d_model, attn.w_dkv.weight)
     dtype = attn.w_dkv.weight.dtype
-    if x.dtype != dtype:
-        raise ValueError(f"x is {x.dtype} but this module computes in {dtype}; convert one to the other")
     if not isinstance(absorbed, bool):
         raise TypeError(f"absorbed must be True or False, got {absorbed!r}")
     if cache is None:

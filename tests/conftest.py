@@ -1,5 +1,6 @@
 import os
 import re
+import subprocess
 import sys
 
 import pytest
@@ -32,3 +33,20 @@ def comparable(text):
             line = line[:m.start(1)] + "<value>" + line[m.end(1):]
         lines.append(line)
     return lines
+
+
+def run_script(script, *args, cwd=None):
+    """python script args, as a user runs it, headless as in CI: the CompletedProcess, text out and err."""
+    env = {k: v for k, v in os.environ.items() if k not in ("DISPLAY", "MPLBACKEND")}
+    return subprocess.run([sys.executable, script, *args], check=False, capture_output=True, text=True, cwd=cwd,
+                          env=env, timeout=300)
+
+
+def run_main(main, argv, capsys):
+    """main(argv) in this process: (exit code, stdout, stderr). Cheaper than a subprocess."""
+    try:
+        code = main(argv)
+    except SystemExit as e:
+        code = e.code
+    out, err = capsys.readouterr()
+    return code, out, err

@@ -5,9 +5,10 @@ import os
 import subprocess
 import sys
 
+import conftest
 import pytest
 import torch
-from conftest import comparable
+from conftest import comparable, run_script
 
 import mha
 
@@ -18,19 +19,11 @@ DETERMINISTIC = FIGURES[:3]          # decode_time.png is measured, so it varies
 
 
 def run(*args, cwd=None, script=SCRIPT):
-    env = {k: v for k, v in os.environ.items() if k not in ("DISPLAY", "MPLBACKEND")}   # headless, as in CI
-    return subprocess.run([sys.executable, script, *args], check=False, capture_output=True, text=True, cwd=cwd,
-                          env=env, timeout=300)
+    return run_script(script, *args, cwd=cwd)
 
 
 def run_main(argv, capsys):
-    """mha.main(argv) in this process: (exit code, stdout, stderr). Cheaper than a subprocess."""
-    try:
-        code = mha.main(argv)
-    except SystemExit as e:
-        code = e.code
-    out, err = capsys.readouterr()
-    return code, out, err
+    return conftest.run_main(mha.main, argv, capsys)
 
 
 @pytest.fixture(scope="module")
