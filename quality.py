@@ -611,7 +611,7 @@ def rank_correlation(a, b):
 
 
 def print_table_d(ablation, roles, chance, seed):
-    base, alone, order, curve = ablation
+    _, alone, order, curve = ablation
     heads = list(alone)
     rise = {hd: alone[hd].mean().item() for hd in heads}
     rank = {hd: k + 1 for k, hd in enumerate(sorted(heads, key=rise.get, reverse=True))}
@@ -722,7 +722,7 @@ ROLE_COLORS = {"previous": "tab:orange", "itself": "tab:olive", "whitespace": "t
 def plot_ablation(heads_ax, prune_ax, ablation, roles, chance, seed):
     """Table D: each head's loss rise alone, coloured by its role in table C; the pruning curve."""
     from matplotlib.patches import Patch
-    base, alone, order, curve = ablation
+    _, alone, _, curve = ablation
     heads = list(alone)
     for k, hd in enumerate(heads):
         rise = alone[hd].tolist()

@@ -235,10 +235,10 @@ def test_an_error_in_a_worker_stops_the_run_at_once_with_its_traceback(monkeypat
     is busy with a task of an hour: it is stopped, not waited for."""
     monkeypatch.setattr(quality, "WORKERS", 2)
     start_time = time.monotonic()
-    with pytest.raises(KeyError, match="no such config") as e:
-        with quality.Workers(quality.Progress(1, io.StringIO())) as workers:
-            workers.run("A", [(quality.train_from_scratch, ("MHA", 0, 100_000)),
-                              (quality.train_from_scratch, ("no such config", 0, 1))])
+    with pytest.raises(KeyError, match="no such config") as e, \
+            quality.Workers(quality.Progress(1, io.StringIO())) as workers:
+        workers.run("A", [(quality.train_from_scratch, ("MHA", 0, 100_000)),
+                          (quality.train_from_scratch, ("no such config", 0, 1))])
     assert time.monotonic() - start_time < 60
     assert "in train_from_scratch" in str(e.value.__cause__)                    # the worker's own traceback
 
@@ -438,7 +438,8 @@ def test_zeroing_a_head_is_removing_its_slice_from_out_proj_input():
     for layer, head in [(0, 0), (1, 5), (1, quality.N_HEADS - 1)]:
         attn = model.blocks[layer].attn
         seen = {}
-        hook = attn.out_proj.register_forward_pre_hook(lambda mod, args: seen.update(o=args[0].detach().clone()))
+        hook = attn.out_proj.register_forward_pre_hook(
+            lambda mod, args, seen=seen: seen.update(o=args[0].detach().clone()))
         attn(model.blocks[layer].ln1(torch.randn(3, quality.CONTEXT, quality.D_MODEL)))
         hook.remove()
         o = seen["o"]                                                              # (..., h * dh): heads side by side
