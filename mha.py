@@ -64,12 +64,13 @@ OUT_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "figures")
 
 # The KV-cache table, its figure and the decode timing use Llama-7B-shaped attention.
 LLAMA_LAYERS, LLAMA_HEADS, LLAMA_D_HEAD = 32, 32, 128    # layers, query heads, head width
-LLAMA_KV_HEADS = (32, 8, 4, 1)    # K/V heads compared: MHA, GQA-8, GQA-4, MQA (divisors of 32, 32 among them)
+LLAMA_KV_HEADS = (32, 8, 4, 1)    # K/V heads compared: MHA, GQA-8, GQA-4, MQA (each divides 32; 32 is MHA)
 CACHE_TOKENS = 4096               # context length of the tables
 CACHE_BYTES_PER_ELEM = 2          # bytes per cached number: 2 = fp16/bf16, 1 = fp8, 4 = fp32
 GPU_CACHE_GB = 40                 # memory set aside for the cache on one GPU, GB (1 GB = 1e9 bytes)
 DECODE_CONTEXTS = (256, 512, 1024, 2048, 4096, 8192)   # cached tokens at which a decode step is timed
 DECODE_ROUNDS = 5                 # each decode time is the best of this many rounds
+DECODE_MEMORY = 4e9               # bytes of K and V the decode timing may allocate (caps DECODE_CONTEXTS)
 MATMUL_N = 512                    # the FLOP/s ceiling: a (512, 512) @ (512, 512) float32 product
 GPU = ("H100 SXM", 989e12, 3.35e12)  # for comparison, datasheet: dense bf16 FLOP/s, memory bytes/s
 
@@ -148,7 +149,8 @@ def attend_by_copying(q, k, v):
 
     It gives the right answer, but a decode step then writes and reads an MHA-sized copy of the whole
     cache, so MQA becomes slower than MHA: the memory that GQA saved is spent again on every token.
-    Kept only to be measured against attend().
+    Kept as the counter-example: a test shows with PyTorch's profiler that it allocates that copy, and
+    bench.py times the copy against attend().
     """
     g = q.shape[1] // k.shape[1]
     k = k.repeat_interleave(g, dim=1)                      # (B, h, S, dh), a real copy
@@ -326,7 +328,11 @@ def max_diff_vs_torch(attn, x, ref=None, need_weights=False):
 
 
 def max_diff_vs_sdpa(attn, x):
-    """max |ours - F.scaled_dot_product_attention(enable_gqa=True)| on x, projections done by hand."""
+    """max |ours - F.scaled_dot_product_attention(enable_gqa=True)| on x, projections done by hand.
+
+    By hand means the textbook way, batch-major, which can round differently in the last bit (see forward):
+    so this check has a tolerance. is_causal=True is right here, where T == S (see causal_mask).
+    """
     B, T, _ = x.shape
     h, kv, dh = attn.n_heads, attn.n_kv_heads, attn.d_head
     with torch.no_grad():
@@ -461,7 +467,7 @@ def published_rows():
     rows = []
     for name, (layers, h, kv, dh) in PUBLISHED_MODELS.items():
         variants = [(name, kv)]
-        if name == "Llama-2-70B":        # the reference page's worked example, both ways
+        if name == "Llama-2-70B":        # the classic worked example: also as MHA and as MQA
             variants += [(f"{name} if MHA", h), (f"{name} if MQA", 1)]
         for label, n_kv in variants:
             n = kv_cache_bytes(layers, n_kv, dh, CACHE_TOKENS, bytes_per_elem=CACHE_BYTES_PER_ELEM)
@@ -652,7 +658,7 @@ def print_decode_table(timing, problems):
           f"best of {timing.rounds}")
     print(f"   on {machine_name()}. The ceilings, measured in the same rounds:")
     print(f"   float32 matmul   {timing.flops / 1e9:.0f} GFLOP/s")
-    faster = rates[fastest] > 1.2 * memory.bandwidth       # did a working set small enough for a cache read faster?
+    faster = rates[fastest] > 1.2 * memory.bandwidth       # did smaller K and V read 20 % faster than memory?
     print(f"   reading K and V  {memory.bandwidth / 1e9:.1f} GB/s for {attention_kind(h, max(kinds))}'s "
           f"{decode_bytes(max(kinds), dh, s_max) / 1e6:,.0f} MB at {s_max} tokens (from memory)")
     if faster:
@@ -1115,7 +1121,6 @@ def parse_args(argv=None):
 
 
 FIGURES = ["attention_maps.png", "kv_cache_size.png", "head_layout.png", "decode_time.png"]
-DECODE_MEMORY = 4e9      # bytes of K and V the decode timing may allocate: DECODE_CONTEXTS are capped by it
 
 
 def check_knobs():

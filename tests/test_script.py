@@ -442,6 +442,9 @@ def test_try_repeat_instead_of_repeat_interleave(capsys, tmp_path):
     out = capsys.readouterr().out
     assert line_with(out, "MHA   max |ours").endswith("OK  (must be exactly 0)")
     assert line_with(out, "GQA-4 max |ours - nn.MHA").endswith("FAIL  (tolerance 2e-06)")
+    assert line_with(out, "GQA-4 same, need_weights=True: outputs").endswith("FAIL  (tolerance 2e-06)")
+    assert line_with(out, "GQA-4 same, need_weights=True: per-head").endswith("FAIL  (tolerance 2e-06)")
+    assert line_with(out, "GQA-4 max |ours - F.sdpa").endswith("OK  (tolerance 2e-06)")   # not through to_torch
 
 
 def test_try_projecting_batch_major(capsys, tmp_path):
