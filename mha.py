@@ -15,8 +15,8 @@ What this file shows, top to bottom:
      memory below the machine's ridge and on arithmetic above it. Both ceilings are measured in the same
      run, the read rate on the very bytes each step reads, and the timings say so when they contradict
      each other, as they do on a busy machine.
-  Figures and plumbing come after main(): attention maps, cache sizes, which query heads share which
-  K/V head, decode time against the roofline.
+  After main(): printing the decode table and checking it, the figures (attention maps, cache sizes,
+  which query heads share which K/V head, decode time against the roofline), and the plumbing.
 
 What it deliberately does not do: train (the weights are random, so the attention maps show the causal
 triangle; quality.py measures what GQA costs, mla.py what comes after it), dropout, padding masks,
@@ -622,6 +622,33 @@ def measure_decode(contexts=DECODE_CONTEXTS, kv_heads=LLAMA_KV_HEADS, rounds=DEC
                         flops=2 * MATMUL_N**3 / best["matmul"], rounds=rounds, elsewhere=cores_elsewhere(start))
 
 
+# ----------------------------------------------------------------------------- main
+def main(argv=None):
+    args = parse_args(argv)        # a bad flag, knob or --out-dir ends here, in one line (exit code 2)
+    kv = args.n_kv_heads
+    print(f"Causal attention, d={D_MODEL}, dh={D_MODEL // N_HEADS}, {N_HEADS} query heads reading {kv} K/V "
+          f"head{'s' if kv > 1 else ''}: {attention_kind(N_HEADS, kv)}, groups of {N_HEADS // kv}\n")
+    ok = run_checks(kv, args.seed)
+    print_cache_table(kv)
+    print_published_table()
+    ok &= check_cache(kv, args.seed)
+    timing = measure_decode(DECODE_CONTEXTS, LLAMA_KV_HEADS, DECODE_ROUNDS)
+    problems = timing_contradictions(timing)
+    print_decode_table(timing, problems)
+
+    figures = {"attention_maps.png": plot_attention_maps(kv, args.seed),
+               "kv_cache_size.png": plot_cache_sizes(),
+               "head_layout.png": plot_head_layout(kv),
+               "decode_time.png": plot_decode_time(timing, problems)}
+    if not write_figures("mha.py", args.out_dir, {name: png_bytes(fig) for name, fig in figures.items()}):
+        return 1
+    print(f"\nFigures written to {shown_path(args.out_dir)}: {', '.join(figures)}")
+    print(f"Now change N_KV_HEADS (or pass --n-kv-heads) and run again. All checks: {'OK' if ok else 'FAIL'}")
+    return 0 if ok else 1
+
+
+# ----------------------------------------------------------------------------- the decode table, and its self-check
+# What main() prints of the timing, and what it checks before it draws a conclusion from it.
 def timing_contradictions(timing, slack=0.1, elsewhere=0.25):
     """What in the measurements cannot be true of a quiet machine; [] when they hold together.
 
@@ -711,31 +738,6 @@ def decode_lesson(timing):
     text += (f".\n   An {gpu_name} has its ridge at {gpu_flops / gpu_bandwidth:.0f} FLOPs per byte, a bf16 step does g: "
              f"{'compute-bound there: ' + ', '.join(gpu_compute) if gpu_compute else 'all are memory-bound there'}.")
     return text
-
-
-# ----------------------------------------------------------------------------- main
-def main(argv=None):
-    args = parse_args(argv)        # a bad flag, knob or --out-dir ends here, in one line (exit code 2)
-    kv = args.n_kv_heads
-    print(f"Causal attention, d={D_MODEL}, dh={D_MODEL // N_HEADS}, {N_HEADS} query heads reading {kv} K/V "
-          f"head{'s' if kv > 1 else ''}: {attention_kind(N_HEADS, kv)}, groups of {N_HEADS // kv}\n")
-    ok = run_checks(kv, args.seed)
-    print_cache_table(kv)
-    print_published_table()
-    ok &= check_cache(kv, args.seed)
-    timing = measure_decode(DECODE_CONTEXTS, LLAMA_KV_HEADS, DECODE_ROUNDS)
-    problems = timing_contradictions(timing)
-    print_decode_table(timing, problems)
-
-    figures = {"attention_maps.png": plot_attention_maps(kv, args.seed),
-               "kv_cache_size.png": plot_cache_sizes(),
-               "head_layout.png": plot_head_layout(kv),
-               "decode_time.png": plot_decode_time(timing, problems)}
-    if not write_figures("mha.py", args.out_dir, {name: png_bytes(fig) for name, fig in figures.items()}):
-        return 1
-    print(f"\nFigures written to {shown_path(args.out_dir)}: {', '.join(figures)}")
-    print(f"Now change N_KV_HEADS (or pass --n-kv-heads) and run again. All checks: {'OK' if ok else 'FAIL'}")
-    return 0 if ok else 1
 
 
 # ----------------------------------------------------------------------------- figures
