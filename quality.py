@@ -825,11 +825,7 @@ def train_everything(args, workers):
 
 
 def main(argv=None):
-    args = parse_args(argv)
-    problem = mha.out_dir_problem(args.out_dir, FIGURES)
-    if problem:
-        print(f"quality.py: error: {problem}", file=sys.stderr)
-        return 1
+    args = parse_args(argv)        # a bad flag, knob or --out-dir ends here, in one line (exit code 2)
     torch.set_num_threads(1)                               # tables C and D and the maps, like every model
     models = len(args.seeds) * len(CONFIGS)
     conversions = len(args.seeds) * (1 + (len(CONFIGS) - 1) * len(POOLS))
@@ -894,6 +890,9 @@ def parse_args(argv=None):
         parser.error(f"--seeds {' '.join(map(str, args.seeds))} must be different from each other")
     if isinstance(WORKERS, bool) or not isinstance(WORKERS, int) or WORKERS < 1:
         parser.error(f"WORKERS={WORKERS!r} (at the top of quality.py) must be a whole number of processes, at least 1")
+    problem = mha.out_dir_problem(args.out_dir, FIGURES)
+    if problem:
+        parser.error(problem)
     return args
 
 

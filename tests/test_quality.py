@@ -283,13 +283,19 @@ def test_help_shows_the_defaults(capsys):
     assert f"default: {quality.STEPS}" in out and "5% and 10% of it" in out and "--seeds" in out
 
 
-def test_unwritable_out_dir_is_one_line_and_exit_1(tmp_path, capsys):
+@pytest.mark.parametrize("under", ["a_file/figures", "a_file", ""])
+def test_unwritable_out_dir_is_one_line_and_exit_2_like_a_bad_flag(under, tmp_path, capsys):
     blocker = tmp_path / "a_file"
     blocker.write_text("not a folder")
-    assert quality.main([*TINY, "--out-dir", str(blocker / "figures")]) == 1
+    target = str(tmp_path / under) if under else ""
+    with pytest.raises(SystemExit) as e:
+        quality.main([*TINY, "--out-dir", target])
+    assert e.value.code == 2
     out, err = capsys.readouterr()
-    assert out == "" and len(err.strip().splitlines()) == 1 and str(blocker / "figures") in err
+    assert out == "" and len(err.strip().splitlines()) == 1 and err.startswith("quality.py: error: ")
     assert os.listdir(tmp_path) == ["a_file"]
+    if under == "a_file/figures":
+        assert str(blocker / "figures") in err
 
 
 def test_import_has_no_side_effects(tmp_path):
