@@ -39,6 +39,7 @@ Shapes, one alphabet throughout:
 
 import argparse
 import errno
+import functools
 import io
 import itertools
 import math
@@ -964,6 +965,12 @@ def check_call(attn, x, need_weights, cache):
     B, T = check_x(x, attn.d_model, weight)
     if not isinstance(need_weights, bool):
         raise TypeError(f"need_weights must be True or False, got {need_weights!r}")
+    S = T + (cache.length if isinstance(cache, KVCache) and isinstance(cache.length, int) else 0)
+    g, n_bytes = attn.n_heads // attn.n_kv_heads, weight.element_size()
+    needed = (B * attn.n_heads * T * S if need_weights else 0) + (g * T * S if T > 1 or need_weights else 0)
+    if needed * n_bytes > memory_bytes():
+        raise ValueError(f"attending {T} tokens to {S} keys needs {needed * n_bytes / 1e9:,.0f} GB for the mask and "
+                         f"weights, more than this machine's {memory_bytes() / 1e9:.0f} GB: feed fewer tokens at once")
     if cache is None:
         return B, T
     if not isinstance(cache, KVCache):
@@ -983,6 +990,8 @@ def check_call(attn, x, need_weights, cache):
                              f"this call needs {want} in {weight.dtype}")
         if t.device != weight.device:
             raise ValueError(f"the cache's {name} is on {t.device} but this module is on {weight.device}")
+        if t.layout != torch.strided:
+            raise TypeError(f"the cache's {name} must be an ordinary dense tensor, got a {t.layout} one")
         if t.is_inference() and not torch.is_inference_mode_enabled():
             raise RuntimeError(f"the cache's {name} was made under torch.inference_mode(), so only a call "
                                "under torch.inference_mode() can write it")
@@ -1001,16 +1010,24 @@ def check_call(attn, x, need_weights, cache):
 
 def check_x(x, d_model, weight):
     """(B, T) of an input x: (B, T, d_model) for a module whose weights are `weight`; else one sentence."""
+    if isinstance(x, torch.Tensor) and (x.is_nested or x.layout != torch.strided):
+        raise TypeError(f"x must be an ordinary dense tensor, got a {'nested' if x.is_nested else x.layout} one")
     if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[-1] != d_model:
         got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
         raise ValueError(f"x must have shape (B, T, {d_model}), got {got}")
     B, T = x.shape[0], x.shape[1]
+    if not weight.dtype.is_floating_point:
+        raise TypeError(f"this module computes in {weight.dtype}; attention needs a real floating-point dtype")
     if T < 1 or B < 1:
         raise ValueError(f"x must hold at least one token of one sequence, got shape {tuple(x.shape)}")
     if x.dtype != weight.dtype:
         raise ValueError(f"x is {x.dtype} but this module computes in {weight.dtype}; convert one to the other")
     if x.device != weight.device:
         raise ValueError(f"x is on {x.device} but this module is on {weight.device}; move one to the other")
+    if x.is_inference() and torch.is_grad_enabled() and not torch.is_inference_mode_enabled() \
+            and weight.requires_grad:
+        raise RuntimeError("x was made under torch.inference_mode(), which autograd cannot follow: call the "
+                           "module under torch.no_grad() or torch.inference_mode(), or pass x.clone()")
     return B, T
 
 
@@ -1034,8 +1051,19 @@ def shares_memory(a, b=None):
     if (a.data_ptr() - b.data_ptr()) % a.element_size() or a.element_size() != b.element_size():
         return True                                        # elements that could meet part-way: say they do
     first = min(a.data_ptr(), b.data_ptr())
-    starts = [(t.data_ptr() - first) // t.element_size() + element_offsets(t) for t in (a, b)]
-    return bool(torch.isin(starts[0], starts[1]).any())
+    a_layout, b_layout = (((t.data_ptr() - first) // t.element_size(), tuple(t.shape), t.stride()) for t in (a, b))
+    return layouts_meet(*a_layout, *b_layout)
+
+
+@functools.lru_cache(maxsize=16)
+def layouts_meet(start_a, shape_a, stride_a, start_b, shape_b, stride_b):
+    """Whether two strided layouts (first element, shape, strides, in elements) use a common element: one
+    mark per element of their span, once per pair of layouts (a cache keeps its layout from step to step)."""
+    ends = [start + sum((n - 1) * s for n, s in zip(shape, stride)) for start, shape, stride in
+            ((start_a, shape_a, stride_a), (start_b, shape_b, stride_b))]
+    marks = torch.zeros(max(ends) + 1, dtype=torch.bool)
+    marks.as_strided(shape_a, stride_a, start_a).fill_(True)
+    return bool(marks.as_strided(shape_b, stride_b, start_b).any())
 
 
 def element_offsets(t):
@@ -1079,8 +1107,9 @@ def check_copyable(ref):
     if not (ref.batch_first and same_dims and ref.bias_k is None and not ref.add_zero_attn):
         raise ValueError("from_torch copies only nn.MultiheadAttention(d, h, batch_first=True) "
                          "without kdim, vdim, add_bias_kv or add_zero_attn")
-    if ref.dropout:
-        raise ValueError(f"from_torch needs dropout=0.0 (CausalMHA has no dropout), got {ref.dropout}")
+    if ref.dropout and ref.training:
+        raise ValueError(f"from_torch needs dropout=0.0 in training mode (CausalMHA has no dropout), got "
+                         f"{ref.dropout}; in eval mode dropout does nothing and is accepted")
 
 
 def check_to_gqa(attn, n_kv_heads, pool):
@@ -1088,7 +1117,7 @@ def check_to_gqa(attn, n_kv_heads, pool):
     if new_kv < 1 or attn.n_kv_heads % new_kv:
         raise ValueError(f"n_kv_heads={new_kv} must be a positive divisor of this module's {attn.n_kv_heads} "
                          "K/V heads")
-    if pool not in ("mean", "first"):
+    if not isinstance(pool, str) or pool not in ("mean", "first"):
         raise ValueError(f"pool={pool!r} must be 'mean' or 'first'")
     return new_kv
 
@@ -1146,6 +1175,12 @@ def check_knobs():
     real = isinstance(GPU_CACHE_GB, (int, float)) and not isinstance(GPU_CACHE_GB, bool)
     if not (real and math.isfinite(GPU_CACHE_GB) and GPU_CACHE_GB > 0):
         raise ValueError(f"GPU_CACHE_GB={GPU_CACHE_GB!r} must be a positive, finite number of GB")
+    gpu_numbers = GPU[1:] if isinstance(GPU, tuple) and len(GPU) == 3 else ()
+    if not (len(gpu_numbers) == 2 and all(isinstance(v, (int, float)) and not isinstance(v, bool)
+                                          and math.isfinite(v) and v > 0 for v in gpu_numbers)):
+        raise ValueError(f"GPU={GPU!r} must be (name, FLOP/s, bytes/s) with two positive, finite numbers")
+    if MATMUL_N > 4096:
+        raise ValueError(f"MATMUL_N={MATMUL_N} must be at most 4096: the FLOP/s ceiling is timed in every round")
     if SEQ_LEN < 2:
         raise ValueError(f"SEQ_LEN={SEQ_LEN} must be at least 2: a single token attends only to itself, so "
                          "its output is v whatever the queries, and no check could see a wrong query")
@@ -1170,22 +1205,22 @@ def out_dir_problem(folder, names):
     while parent and not os.path.exists(parent):
         parent = os.path.dirname(parent.rstrip(os.sep))
     if parent and not os.path.isdir(parent):
-        return f"'{parent}' is a file, not a folder, so the figures cannot go to '{folder}'"
+        return f"{parent!r} is a file, not a folder, so the figures cannot go to {folder!r}"
     made = []
     try:
         made = make_folders(folder)
         for name in names:                                 # each figure's path: a regular file or nothing
             path = os.path.join(folder, name)
             if os.path.lexists(path) and not os.path.isfile(path):
-                return f"'{path}' exists and is not a file; remove it or choose another --out-dir"
+                return f"{path!r} exists and is not a file; remove it or choose another --out-dir"
         probe = temporary_name(os.path.join(folder, max(names, key=len)))   # the longest path written
         with open(probe, "xb"):
             pass
         os.unlink(probe)
     except OSError as e:
         if e.errno == errno.ENOENT and os.path.isdir(folder):
-            return f"the folder '{folder}' exists but does not accept new files"
-        return f"cannot write files in the folder '{folder}': {e.strerror or e}"
+            return f"the folder {folder!r} exists but does not accept new files"
+        return f"cannot write files in the folder {folder!r}: {e.strerror or e}"
     finally:
         remove_folders(made)
     return None
@@ -1193,8 +1228,8 @@ def out_dir_problem(folder, names):
 
 def make_folders(folder):
     """Make folder and any missing parents; return the folders made, outermost first."""
-    missing, path = [], os.path.abspath(folder)
-    while not os.path.isdir(path):
+    missing, path = [], folder.rstrip(os.sep) or os.sep   # as given: the system resolves links and ..
+    while path and not os.path.isdir(path):
         missing.append(path)
         path = os.path.dirname(path)
     made = []
@@ -1258,7 +1293,7 @@ def write_figures(prog, folder, pngs):
         remove_folders(made)
         if isinstance(e, KeyboardInterrupt):
             raise
-        print(f"{prog}: error: cannot write '{e.filename}': {e.strerror}", file=sys.stderr)
+        print(f"{prog}: error: cannot write {e.filename!r}: {e.strerror}", file=sys.stderr)
         return False
     return True
 
@@ -1300,9 +1335,10 @@ def cores_elsewhere(start):
 
 
 def shown_path(folder):
-    """The folder as the user would type it: relative to here if it is below here, else as given."""
-    shown = os.path.relpath(folder)
-    return os.path.join(folder if shown.startswith("..") else shown, "")
+    """Where the folder really is (links and .. resolved): relative to here if it is below here, else whole."""
+    real = os.path.realpath(folder)
+    shown = os.path.relpath(real)
+    return os.path.join(real if shown.startswith("..") else shown, "")
 
 
 def run_as_script(main):

@@ -187,8 +187,13 @@ def test_swap_query_heads_refuses_heads_that_do_not_exist():
 def test_from_torch_refuses_what_it_cannot_copy():
     with pytest.raises(TypeError, match="from_torch copies an nn.MultiheadAttention, got Linear"):
         mha.CausalMHA.from_torch(nn.Linear(4, 4))
-    with pytest.raises(ValueError, match="dropout=0.0"):
+    with pytest.raises(ValueError, match="dropout=0.0 in training mode"):
         mha.CausalMHA.from_torch(nn.MultiheadAttention(64, 4, dropout=0.1, batch_first=True))
+    evaluated = torch_mha(64, 4)
+    evaluated.dropout = 0.1                                # dropout does nothing in eval mode: accepted, exact
+    evaluated.eval()
+    x = torch.randn(2, 5, 64)
+    assert mha.max_diff_vs_torch(mha.CausalMHA.from_torch(evaluated), x, evaluated)[0] == 0.0
     with pytest.raises(ValueError, match="batch_first=True"):
         mha.CausalMHA.from_torch(nn.MultiheadAttention(64, 4))
 

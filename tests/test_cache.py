@@ -555,3 +555,43 @@ def test_cpu_seconds_reads_this_machine():
     sum(range(10**7))                                             # some CPU time of this process's own
     second = mha.cpu_seconds()
     assert second[0] > first[0] and second[1] >= first[1] and second[2] > first[2]
+
+
+def test_a_packed_cache_is_checked_once_per_layout_not_once_per_step():
+    """K and V side by side in each row of one buffer: the element check runs once, then is remembered."""
+    attn = module(8, 2)
+    buf = torch.zeros(1, 2, 4096, 32)
+    cache = mha.KVCache(buf[..., :16], buf[..., 16:])
+    mha.layouts_meet.cache_clear()
+    with torch.no_grad():
+        for _ in range(3):
+            attn(torch.randn(1, 1, 128), cache=cache)
+    info = mha.layouts_meet.cache_info()
+    assert (info.misses, info.hits) == (1, 2) and cache.length == 3
+
+
+@pytest.mark.parametrize("case", ["too many tokens", "complex", "sparse K"])
+def test_calls_that_would_fail_after_writing_are_refused_before(case):
+    attn = module(8, 2)
+    cache = attn.new_cache(1, 200_000)
+    x, words = torch.randn(1, 150_000, 128), "feed fewer tokens at once"
+    if case == "complex":
+        attn, cache = attn.to(torch.complex64), attn.to(torch.complex64).new_cache(1, 10)
+        x, words = torch.randn(1, 2, 128, dtype=torch.complex64), "real floating-point dtype"
+    elif case == "sparse K":
+        cache = mha.KVCache(torch.zeros(1, 2, 10, 16).to_sparse(), torch.zeros(1, 2, 10, 16))
+        x, words = torch.randn(1, 2, 128), "ordinary dense tensor"
+    with torch.no_grad(), pytest.raises((ValueError, TypeError), match=words):
+        attn(x, cache=cache)
+    assert cache.length == 0
+    if case != "sparse K":
+        assert not cache.k.any() and not cache.v.any()
+
+
+def test_an_inference_x_under_autograd_is_one_sentence():
+    with torch.inference_mode():
+        x = torch.randn(1, 3, 128)
+    with pytest.raises(RuntimeError, match="x was made under torch.inference_mode()"):
+        module(8, 2)(x)
+    with torch.no_grad():
+        assert module(8, 2)(x).shape == (1, 3, 128)

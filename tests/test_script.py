@@ -171,6 +171,8 @@ def test_bad_flag_from_the_shell_exits_2_without_traceback(tmp_path):
     ("GPU_CACHE_GB", 0, ["GPU_CACHE_GB=0", "positive"]),
     ("DECODE_CONTEXTS", (10**7,), ["DECODE_CONTEXTS up to 10,000,000 tokens", "460.8 GB", "at most 4 GB"]),
     ("MATMUL_N", 0, ["MATMUL_N=0", "at least 1"]),
+    ("MATMUL_N", 200000, ["MATMUL_N=200000", "at most 4096"]),
+    ("GPU", ("X", 989e12, 0), ["GPU=", "positive, finite"]),
     ("PUBLISHED_MODELS", {"Odd-7B": (32, 32, 3, 128)}, ["n_kv_heads=3", "positive divisor of n_heads=32"]),
     ("PUBLISHED_MODELS", {"Odd-7B": (32.5, 32, 8, 128)}, ["layers of Odd-7B", "32.5"]),
     ("CACHE_TOKENS", "4k", ["CACHE_TOKENS", "'4k'"]),
@@ -521,3 +523,23 @@ def test_another_oserror_is_not_blamed_on_stdout(capsys, monkeypatch):
     monkeypatch.setattr(sys, "argv", ["mha.py"])
     with pytest.raises(OSError, match="something else"):
         mha.run_as_script(failing)
+
+
+def test_an_out_dir_through_a_link_and_dotdot_goes_where_the_system_says(tmp_path, capsys, monkeypatch):
+    """link/../exists is real/exists (the link is followed first): nothing made beside it, and named so."""
+    (tmp_path / "real" / "deep").mkdir(parents=True)
+    (tmp_path / "real" / "exists").mkdir()
+    (tmp_path / "cwd").mkdir()
+    (tmp_path / "cwd" / "link").symlink_to(tmp_path / "real" / "deep")
+    monkeypatch.chdir(tmp_path / "cwd")
+    assert mha.out_dir_problem("link/../newdir", mha.FIGURES) is None        # mkdir -p would make real/newdir
+    assert mha.write_figures("mha.py", "link/../exists", {"a.png": b"a"})
+    assert os.listdir(tmp_path / "cwd") == ["link"] and os.listdir(tmp_path / "real" / "exists") == ["a.png"]
+    assert mha.shown_path("link/../exists") == os.path.join(str(tmp_path / "real" / "exists"), "")
+
+
+def test_an_out_dir_with_a_newline_is_still_one_line(tmp_path, capsys):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("x")
+    code, out, err = run_main(["--out-dir", str(blocker / "a\nb")], capsys)
+    assert code == 2 and out == "" and len(err.strip().splitlines()) == 1 and "\\n" in err
