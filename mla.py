@@ -29,6 +29,7 @@ S keys a query can see), plus dc the latent width and dr the RoPE width.
 """
 
 import argparse
+import math
 import os
 import time
 from dataclasses import dataclass
@@ -209,6 +210,10 @@ class LatentAttention(nn.Module):
         if batch < 1 or max_len < 1:
             raise ValueError(f"a cache needs batch >= 1 and max_len >= 1, got batch={batch}, max_len={max_len}")
         dtype = self.w_dkv.weight.dtype
+        n_bytes = batch * max_len * (self.d_latent + self.d_rope) * self.w_dkv.weight.element_size()
+        if n_bytes > mha.memory_bytes():
+            raise ValueError(f"a cache of batch={batch}, max_len={max_len} needs {n_bytes / 1e9:,.0f} GB, more "
+                             f"than this machine's {mha.memory_bytes() / 1e9:.0f} GB of memory")
         return LatentCache(torch.zeros(batch, max_len, self.d_latent, dtype=dtype),   # (B, max_len, dc)
                            torch.zeros(batch, max_len, self.d_rope, dtype=dtype))     # (B, max_len, dr)
 
@@ -573,6 +578,11 @@ def check_sizes(d_model, n_heads, d_head, d_latent, d_rope):
             raise ValueError(f"{name}={value} must be at least 1")
     if sizes["d_rope"] % 2:
         raise ValueError(f"d_rope={sizes['d_rope']} must be even: RoPE turns its dimensions in pairs")
+    d, h, dh, dc, dr = sizes.values()
+    weights = 4 * (d * (dc + dr + h * dh + h * dr) + 2 * dc * h * dh + h * dh * d)   # float32 bytes
+    if weights > mha.memory_bytes():
+        raise ValueError(f"these sizes need {weights / 1e9:,.0f} GB of weights, more than this machine's "
+                         f"{mha.memory_bytes() / 1e9:.0f} GB of memory")
     return tuple(sizes.values())
 
 
@@ -597,6 +607,9 @@ def check_call(attn, x, cache, absorbed):
             got = f"{tuple(t.shape)} in {t.dtype}" if isinstance(t, torch.Tensor) else type(t).__name__
             raise ValueError(f"the cache's {name} is {got}, this call needs {want} in {dtype}")
     for name, t in (("latent c", cache.c), ("RoPE key", cache.k_rope)):
+        if t.device != attn.w_dkv.weight.device or t.layout != torch.strided:
+            raise ValueError(f"the cache's {name} must be an ordinary dense tensor on {attn.w_dkv.weight.device}, "
+                             f"got a {t.layout} one on {t.device}")
         if t.is_inference() and not torch.is_inference_mode_enabled():
             raise RuntimeError(f"the cache's {name} was made under torch.inference_mode(), so only a call "
                                "under torch.inference_mode() can write it")
@@ -624,6 +637,14 @@ def check_knobs():
     for name, value in counts.items():
         if whole_number(name, value) < (2 if name == "SEQ_LEN" else 1):
             raise ValueError(f"{name}={value} must be at least {2 if name == 'SEQ_LEN' else 1}")
+    if "DeepSeek-V2" not in DEEPSEEK:
+        raise ValueError("DEEPSEEK must keep the 'DeepSeek-V2' shape: the decode timing uses it")
+    real = isinstance(ROPE_BASE, (int, float)) and not isinstance(ROPE_BASE, bool)
+    if not (real and math.isfinite(ROPE_BASE) and ROPE_BASE > 1):
+        raise ValueError(f"ROPE_BASE={ROPE_BASE!r} must be a finite number above 1 (RoFormer's is 10000)")
+    for name, value, most in [("D_MODEL", D_MODEL, 4096), ("SEQ_LEN", SEQ_LEN, 512), ("BATCH", BATCH, 64)]:
+        if value > most:
+            raise ValueError(f"{name}={value} must be at most {most}: the demo is checked in seconds")
     _, h, dh, dc, dr = DEEPSEEK["DeepSeek-V2"]                # the timed shape: K/V of MHA and GQA, the latent
     needed = max(DECODE_CONTEXTS) * 4 * (2 * (h + GQA_KV_HEADS) * dh + dc + dr)
     if needed > mha.DECODE_MEMORY:

@@ -448,6 +448,11 @@ def test_bad_flag_exits_2_in_one_line(argv, words, tmp_path, capsys):
     ("DECODE_CONTEXTS", (), ["DECODE_CONTEXTS"]),
     ("GQA_KV_HEADS", 3, ["GQA_KV_HEADS=3", "divide"]),
     ("DECODE_CONTEXTS", (10**7,), ["DECODE_CONTEXTS up to 10,000,000 tokens", "at most 4 GB"]),
+    ("ROPE_BASE", "10000", ["ROPE_BASE='10000'", "finite number above 1"]),
+    ("ROPE_BASE", 0.0, ["ROPE_BASE=0.0", "finite number above 1"]),
+    ("DEEPSEEK", {"Other": (1, 8, 8, 8, 8)}, ["DEEPSEEK must keep the 'DeepSeek-V2' shape"]),
+    ("D_MODEL", 10**9, ["GB of weights, more than this machine's"]),
+    ("SEQ_LEN", 100000, ["SEQ_LEN=100000", "at most 512"]),
 ])
 def test_a_knob_that_cannot_work_is_refused_at_start(knob, value, words, monkeypatch, tmp_path, capsys):
     monkeypatch.setattr(mla, knob, value)
@@ -484,3 +489,15 @@ def test_import_has_no_side_effects(tmp_path):
     assert all(r.returncode == 0 and r.stderr == "" for r in runs), runs[0].stderr
     assert runs[0].stdout != runs[1].stdout and len(runs[0].stdout.splitlines()) == 1
     assert os.listdir(tmp_path) == [] and sorted(os.listdir(ROOT)) == before
+
+
+def test_a_module_or_cache_larger_than_memory_or_elsewhere_is_one_sentence():
+    with pytest.raises(ValueError, match="GB of weights, more than this machine's"):
+        mla.LatentAttention(10**6, 128, 128, 512, 64)
+    with pytest.raises(ValueError, match="needs [\\d,]+ GB, more than this machine's"):
+        module().new_cache(10**6, 10**6)
+    attn = module(dtype=torch.float32)
+    cache = attn.new_cache(1, 4)
+    cache.c = cache.c.to_sparse()
+    with torch.no_grad(), pytest.raises(ValueError, match="ordinary dense tensor"):
+        attn(torch.zeros(1, 1, 48), cache=cache)
