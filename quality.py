@@ -876,18 +876,27 @@ def seed_value(text):
 
 
 def parse_args(argv=None):
+    shares = " and ".join(f"{f * 100:g}%%" for f in UPTRAIN if isinstance(f, (int, float)))   # %% is argparse's %
     parser = mha.Parser(prog="quality.py", description="Train a tiny character-level LM with MHA, GQA and MQA and "
                         "measure what sharing K/V heads costs in validation loss.",
                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--steps", type=whole_positive, default=STEPS,
                         help="training steps of each from-scratch model; further training after conversion is "
-                             f"{UPTRAIN[0] * 100:g}%% and {UPTRAIN[1] * 100:g}%% of it")   # %% is argparse's %
+                             f"{shares or 'none'} of it")
     parser.add_argument("--seeds", type=seed_value, nargs="+", default=list(SEEDS),
                         help="one or more seeds: each gives an initialisation and a data order")
     parser.add_argument("--out-dir", default=OUT_DIR, help="folder the two figures are written to")
     args = parser.parse_args(argv)
     if len(set(args.seeds)) != len(args.seeds):
         parser.error(f"--seeds {' '.join(map(str, args.seeds))} must be different from each other")
+    if CONFIGS.get("MHA") != N_HEADS or any(not isinstance(kv, int) or kv < 1 or N_HEADS % kv for kv in CONFIGS.values()):
+        parser.error(f"CONFIGS={CONFIGS} (at the top of quality.py) must map 'MHA' to N_HEADS={N_HEADS} and every name "
+                     "to a positive divisor of it")
+    fractions = UPTRAIN if isinstance(UPTRAIN, tuple) else ()
+    if len(fractions) != 2 or not all(isinstance(f, (int, float)) and 0 < f <= 1 for f in fractions) \
+            or fractions[0] >= fractions[1]:
+        parser.error(f"UPTRAIN={UPTRAIN!r} (at the top of quality.py) must be two fractions of the steps, "
+                     "growing, in (0, 1]")
     if isinstance(WORKERS, bool) or not isinstance(WORKERS, int) or WORKERS < 1:
         parser.error(f"WORKERS={WORKERS!r} (at the top of quality.py) must be a whole number of processes, at least 1")
     problem = mha.out_dir_problem(args.out_dir, FIGURES)

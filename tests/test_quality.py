@@ -518,3 +518,18 @@ def test_progress_line_in_place_on_a_terminal_plain_when_piped(monkeypatch):
         p.clear()
         assert stream.getvalue().endswith("\r") == stream.isatty()
     assert quality.Progress(1, io.StringIO()).summary(4, 0.2).endswith("a training step took 50 ms on average")
+
+
+@pytest.mark.parametrize("knob, value, words", [
+    ("CONFIGS", {"MHA": 8, "GQA-3": 3, "MQA": 1}, ["CONFIGS=", "positive divisor"]),
+    ("CONFIGS", {"GQA-4": 4, "MQA": 1}, ["'MHA' to N_HEADS=8"]),
+    ("UPTRAIN", (), ["UPTRAIN=()", "two fractions"]),
+    ("UPTRAIN", (0.1, 0.05), ["UPTRAIN=(0.1, 0.05)", "growing"]),
+])
+def test_a_knob_that_cannot_work_is_one_line_and_exit_2(knob, value, words, monkeypatch, capsys, tmp_path):
+    monkeypatch.setattr(quality, knob, value)
+    with pytest.raises(SystemExit) as e:
+        quality.main([*TINY, "--out-dir", str(tmp_path)])
+    out, err = capsys.readouterr()
+    assert e.value.code == 2 and out == "" and len(err.strip().splitlines()) == 1
+    assert all(w in err for w in words), err
