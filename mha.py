@@ -988,24 +988,36 @@ def check_call(attn, x, need_weights, cache):
         if tuple(t.shape) != want or t.dtype != weight.dtype:
             raise ValueError(f"the cache holds {name} of shape {tuple(t.shape)} in {t.dtype}, "
                              f"this call needs {want} in {weight.dtype}")
-        if t.device != weight.device:
-            raise ValueError(f"the cache's {name} is on {t.device} but this module is on {weight.device}")
-        if t.layout != torch.strided:
-            raise TypeError(f"the cache's {name} must be an ordinary dense tensor, got a {t.layout} one")
+    cache_writable(tensors, weight.device)
+    cache.length = checked_length(cache.length, cache.k.shape[2], T)
+    return B, T
+
+
+def cache_writable(tensors, device):
+    """A cache's two named tensors, {name: tensor}, must be dense, on device, writable here, and use memory of
+    their own; else one sentence. Shared by mha's KVCache and mla's LatentCache."""
+    for name, t in tensors.items():
+        if t.device != device or t.layout != torch.strided:
+            raise ValueError(f"the cache's {name} must be an ordinary dense tensor on {device}, got a {t.layout} "
+                             f"one on {t.device}")
         if t.is_inference() and not torch.is_inference_mode_enabled():
             raise RuntimeError(f"the cache's {name} was made under torch.inference_mode(), so only a call "
                                "under torch.inference_mode() can write it")
         if shares_memory(t):
             raise ValueError(f"positions of the cache's {name} share memory (a stride of 0?), so writing one "
                              "would overwrite another: give it memory of its own")
-    if shares_memory(cache.k, cache.v):
-        raise ValueError("the cache's K and V share memory, so writing V would overwrite K: give each "
-                         "its own tensor")
-    length = whole_number("cache.length", cache.length)
-    if not 0 <= length <= cache.k.shape[2] - T:
-        raise ValueError(f"the cache holds {length} of at most {cache.k.shape[2]} tokens and cannot take {T} more")
-    cache.length = length
-    return B, T
+    (first, a), (second, b) = tensors.items()
+    if shares_memory(a, b):
+        raise ValueError(f"the cache's {first} and {second} share memory, so writing {second} would overwrite "
+                         f"{first}: give each its own tensor")
+
+
+def checked_length(length, max_len, T):
+    """A cache's length as an int, if T more tokens fit in max_len; else one sentence."""
+    length = whole_number("cache.length", length)
+    if not 0 <= length <= max_len - T:
+        raise ValueError(f"the cache holds {length} of at most {max_len} tokens and cannot take {T} more")
+    return length
 
 
 def check_x(x, d_model, weight):

@@ -606,23 +606,8 @@ def check_call(attn, x, cache, absorbed):
         if not isinstance(t, torch.Tensor) or tuple(t.shape) != want or t.dtype != dtype:
             got = f"{tuple(t.shape)} in {t.dtype}" if isinstance(t, torch.Tensor) else type(t).__name__
             raise ValueError(f"the cache's {name} is {got}, this call needs {want} in {dtype}")
-    for name, t in (("latent c", cache.c), ("RoPE key", cache.k_rope)):
-        if t.device != attn.w_dkv.weight.device or t.layout != torch.strided:
-            raise ValueError(f"the cache's {name} must be an ordinary dense tensor on {attn.w_dkv.weight.device}, "
-                             f"got a {t.layout} one on {t.device}")
-        if t.is_inference() and not torch.is_inference_mode_enabled():
-            raise RuntimeError(f"the cache's {name} was made under torch.inference_mode(), so only a call "
-                               "under torch.inference_mode() can write it")
-        if mha.shares_memory(t):
-            raise ValueError(f"positions of the cache's {name} share memory (a stride of 0?), so writing one "
-                             "would overwrite another: give it memory of its own")
-    if mha.shares_memory(cache.c, cache.k_rope):
-        raise ValueError("the cache's latent c and RoPE key share memory, so writing one would overwrite the "
-                         "other: give each its own tensor")
-    length = whole_number("cache.length", cache.length)
-    if not 0 <= length <= cache.c.shape[1] - T:
-        raise ValueError(f"the cache holds {length} of at most {cache.c.shape[1]} tokens and cannot take {T} more")
-    cache.length = length
+    mha.cache_writable({"latent c": cache.c, "RoPE key": cache.k_rope}, attn.w_dkv.weight.device)
+    cache.length = mha.checked_length(cache.length, cache.c.shape[1], T)
     return B, T
 
 

@@ -270,7 +270,7 @@ def test_a_cache_whose_memory_cannot_be_written_is_refused_before_anything_is(wh
     cache = attn.new_cache(1, 5)
     if which == "shared":                                   # the RoPE key a view into the latent's memory
         cache.k_rope = cache.c[..., :cache.k_rope.shape[-1]]
-        words = "share memory, so writing one would overwrite the other"
+        words = "the cache's latent c and RoPE key share memory, so writing RoPE key would overwrite"
     elif which == "stride 0":                               # one position's latent repeated: not writable
         cache.c = torch.zeros(1, 1, cache.c.shape[-1]).expand_as(cache.c)
         words = "positions of the cache's latent c share memory"
