@@ -979,10 +979,7 @@ def check_call(attn, x, need_weights, cache):
     for name, t in tensors.items():
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"the cache's {name} must be a tensor, got {type(t).__name__}")
-    needs_grad = x.requires_grad or any(t.requires_grad for t in [*tensors.values(), *attn.parameters()])
-    if torch.is_grad_enabled() and needs_grad:
-        raise RuntimeError("decoding with a cache writes it in place, which autograd cannot follow: call "
-                           "the module under torch.no_grad() or torch.inference_mode()")
+    check_no_autograd([x, *tensors.values(), *attn.parameters()])
     want = (B, attn.n_kv_heads, cache.k.shape[2] if cache.k.dim() == 4 else "max_len", attn.d_head)
     for name, t in tensors.items():
         if tuple(t.shape) != want or t.dtype != weight.dtype:
@@ -991,6 +988,13 @@ def check_call(attn, x, need_weights, cache):
     cache_writable(tensors, weight.device)
     cache.length = checked_length(cache.length, cache.k.shape[2], T)
     return B, T
+
+
+def check_no_autograd(tensors):
+    """A cached call writes the cache in place: refuse it while autograd would follow any of these tensors."""
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        raise RuntimeError("decoding with a cache writes it in place, which autograd cannot follow: call "
+                           "the module under torch.no_grad() or torch.inference_mode()")
 
 
 def cache_writable(tensors, device):

@@ -597,9 +597,7 @@ def check_call(attn, x, cache, absorbed):
     if not isinstance(cache, LatentCache):
         raise TypeError(f"cache must be a LatentCache from new_cache(), got {type(cache).__name__}")
     tensors = [t for t in (cache.c, cache.k_rope) if isinstance(t, torch.Tensor)]
-    if torch.is_grad_enabled() and any(t.requires_grad for t in [x, *tensors, *attn.parameters()]):
-        raise RuntimeError("decoding with a cache writes it in place, which autograd cannot follow: call the "
-                           "module under torch.no_grad() or torch.inference_mode()")
+    mha.check_no_autograd([x, *tensors, *attn.parameters()])
     max_len = cache.c.shape[1] if isinstance(cache.c, torch.Tensor) and cache.c.dim() == 3 else "max_len"
     for name, t, width in (("latent c", cache.c, attn.d_latent), ("RoPE key", cache.k_rope, attn.d_rope)):
         want = (B, max_len, width)
