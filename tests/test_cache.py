@@ -297,7 +297,7 @@ def test_k_and_v_in_one_buffer_side_by_side_are_fine():
     cache = mha.KVCache(buf[0], buf[1])
     x = torch.randn(1, 3, 128)
     with torch.no_grad():
-        assert torch.equal(attn(x, cache=cache), attn(x))
+        assert mha.relative_diff(attn(x, cache=cache), attn(x)) <= 1e-6   # another layout: a tolerance
     assert not mha.shares_memory(buf[0], buf[1]) and mha.shares_memory(buf[0], buf[0, :, :1])
 
 

@@ -7,7 +7,6 @@ import sys
 
 import conftest
 import pytest
-import torch
 from conftest import comparable, run_script
 
 import mha
@@ -450,22 +449,13 @@ def test_try_repeat_instead_of_repeat_interleave(capsys, tmp_path):
 
 
 def test_try_projecting_batch_major(capsys, tmp_path):
-    """The edited check FAILs exactly when the two layouts round differently on this CPU: measured here.
-
-    They do on AMD EPYC (MKL's path there, and MKL_CBWR=COMPATIBLE anywhere): 2.38e-07. They agree on
-    Intel Xeon with AVX-512, where the edited check still reads 0.0.
-    """
+    """The edited check may FAIL by a few units in the last place: whether the two layouts round alike
+    depends on the CPU's MKL path (AMD EPYC: 2.38e-07; Intel Xeon with AVX-512: 0.0). What holds on every
+    CPU: the check says FAIL exactly when it measured a difference, and the difference is tiny."""
     m = edited_copy("self.in_proj(x.transpose(0, 1))", "self.in_proj(x).transpose(0, 1)", tmp_path)
-    ref, x = m.demo_reference(0)
-    proj = m.CausalMHA.from_torch(ref).in_proj
-    with torch.no_grad():
-        layouts_agree = torch.equal(proj(x).transpose(0, 1), proj(x.transpose(0, 1)))   # (T, B, 3d) both
     ok = m.run_checks(4, 0)
     diff = float(line_with(capsys.readouterr().out, "MHA   max |ours").split("= ")[1].split()[0])
-    if layouts_agree:
-        assert ok and diff == 0.0
-    else:
-        assert not ok and 0 < diff < 1e-6     # a few units in the last place
+    assert ok == (diff == 0.0) and diff < 1e-6, diff
 
 
 def test_try_a_longer_context(capsys, tmp_path):
