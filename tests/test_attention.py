@@ -1,4 +1,4 @@
-"""The module against PyTorch: bit-exact for MHA, within stated tolerances for GQA/MQA."""
+"""The module against PyTorch: bit-exact for MHA, within stated tolerances for GQA/MQA and conversions."""
 
 import pytest
 import torch
@@ -12,51 +12,58 @@ def torch_mha(d, h, dtype=torch.float32, bias=True, seed=0):
     """nn.MultiheadAttention with its own weight init and random (non-zero) biases."""
     torch.manual_seed(seed)
     ref = nn.MultiheadAttention(d, h, bias=bias, batch_first=True, dtype=dtype)
-    return mha.random_biases(ref, seed + 1)
+    with torch.no_grad():
+        for name, p in ref.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0.0, 0.1)
+    return ref
 
 
 def gqa_module(d, h, kv, dtype=torch.float32, seed=0):
-    torch.manual_seed(seed)
-    return mha.random_biases(mha.CausalMHA(d, h, kv).to(dtype), seed + 1)
+    ours = mha.CausalMHA.from_torch(torch_mha(d, h, dtype, seed=seed))   # random biases, then narrowed
+    return ours if kv == h else ours.to_gqa(kv, pool="first")
 
 
 # d_head 32 and 64 are powers of two; 48 and 24 are not (sqrt(1/dh) is then inexact in binary).
 SHAPES = [(256, 8), (384, 8), (192, 8), (512, 8)]
 
 
+# ----------------------------------------------------------------------------- exact: the same operations as PyTorch
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("d, h", SHAPES)
 @pytest.mark.parametrize("T", [1, 12, 37])
 @pytest.mark.parametrize("train", [False, True])
-@pytest.mark.parametrize("need_weights", [False, True])
+@pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("bias", [True, False])
-def test_mha_is_bit_identical_to_torch(dtype, d, h, T, train, need_weights, bias):
+def test_mha_is_bit_identical_to_torch(dtype, d, h, T, train, fused, bias):
+    """Written out against need_weights=True, fused against the default path: the same operations, in the
+    same order, on the same shapes, so 0.0 on every CPU and MKL path."""
     ref = torch_mha(d, h, dtype, bias).train(train)
     ours = mha.CausalMHA.from_torch(ref)
     assert ours.training == train and ours.in_proj.weight.dtype == dtype
     assert (ours.in_proj.bias is None) == (not bias)
     x = torch.randn(3, T, d, dtype=dtype)
-    y_diff, w_diff = mha.max_diff_vs_torch(ours, x, ref, need_weights=need_weights)
+    y_diff, w_diff = mha.max_diff_vs_torch(ours, x, ref, fused=fused)
     assert y_diff == 0.0, f"max |ours - nn.MultiheadAttention| = {y_diff:.3e}"
-    if need_weights:
-        assert w_diff == 0.0, f"max |weights - nn.MultiheadAttention's| = {w_diff:.3e}"
+    assert w_diff == (None if fused else 0.0), f"max |weights - nn.MultiheadAttention's| = {w_diff}"
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-@pytest.mark.parametrize("need_weights", [False, True])
-def test_mha_bit_identical_with_one_or_two_threads(threads, dtype, need_weights):
+@pytest.mark.parametrize("fused", [False, True])
+def test_mha_bit_identical_with_one_or_two_threads(threads, fused):
     torch.set_num_threads(threads)
-    ref = torch_mha(384, 8, dtype, seed=3)
-    x = torch.randn(2, 50, 384, dtype=dtype)
-    y_diff, w_diff = mha.max_diff_vs_torch(mha.CausalMHA.from_torch(ref), x, ref, need_weights=need_weights)
+    ref = torch_mha(384, 8, seed=3)
+    x = torch.randn(2, 50, 384)
+    y_diff, w_diff = mha.max_diff_vs_torch(mha.CausalMHA.from_torch(ref), x, ref, fused=fused)
     assert y_diff == 0.0 and (w_diff or 0.0) == 0.0, f"{threads} threads: {y_diff:.3e}, {w_diff}"
 
 
-def test_biases_are_really_random():
-    """The exactness tests would miss a misplaced bias if the biases were zero, as PyTorch starts them."""
-    ref = torch_mha(64, 4)
-    assert ref.in_proj_bias.abs().min() > 0 and ref.out_proj.bias.abs().min() > 0
+def test_the_two_paths_are_the_same_attention_within_rounding():
+    """attend and attend_fused differ only in the last bits (as PyTorch's own two paths do)."""
+    attn = gqa_module(256, 8, 2, seed=4)
+    x = torch.randn(2, 20, 256)
+    with torch.no_grad():
+        assert mha.relative_diff(attn(x, fused=True), attn(x)) <= 1e-6
 
 
 def test_swapped_heads_fail_the_check():
@@ -73,38 +80,58 @@ def test_to_torch_inverts_from_torch():
         assert torch.equal(p, q), name
 
 
+def test_from_torch_copies_every_weight_and_bias_to_its_place():
+    ref = torch_mha(64, 4, bias=True, seed=2)
+    ours = mha.CausalMHA.from_torch(ref)
+    assert torch.equal(ours.in_proj.weight, ref.in_proj_weight) and torch.equal(ours.in_proj.bias, ref.in_proj_bias)
+    assert torch.equal(ours.out_proj.weight, ref.out_proj.weight) and torch.equal(ours.out_proj.bias, ref.out_proj.bias)
+    assert ref.in_proj_bias.abs().min() > 0                # biases really random: a misplaced one would show
+
+
+# ----------------------------------------------------------------------------- GQA / MQA: within a tolerance
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 2e-6), (torch.float64, 1e-12)])
 @pytest.mark.parametrize("d, h, kv", [(256, 8, 4), (256, 8, 2), (256, 8, 1), (384, 8, 2), (192, 8, 4)])
 @pytest.mark.parametrize("T", [1, 23])
 def test_gqa_matches_torch_with_repeated_kv(dtype, tol, d, h, kv, T):
     ours = gqa_module(d, h, kv, dtype)
     x = torch.randn(2, T, d, dtype=dtype)
-    y_diff, _ = mha.max_diff_vs_torch(ours, x)
-    y2_diff, w_diff = mha.max_diff_vs_torch(ours, x, need_weights=True)
-    assert max(y_diff, y2_diff, w_diff) <= tol, f"GQA kv={kv}: {y_diff:.3e} {y2_diff:.3e} {w_diff:.3e}"
+    y_diff, w_diff = mha.max_diff_vs_torch(ours, x)
+    fused_diff, _ = mha.max_diff_vs_torch(ours, x, fused=True)
+    assert max(y_diff, w_diff, fused_diff) <= tol, f"kv={kv}: {y_diff:.3e} {w_diff:.3e} {fused_diff:.3e}"
 
 
 @pytest.mark.parametrize("kv", [4, 2, 1])
 def test_gqa_matches_sdpa_enable_gqa(kv):
-    ours = gqa_module(256, 8, kv)
-    diff = mha.max_diff_vs_sdpa(ours, torch.randn(2, 17, 256))
+    diff = mha.max_diff_vs_sdpa(gqa_module(256, 8, kv), torch.randn(2, 17, 256))
     assert diff <= 2e-6, f"kv={kv}: max |ours - sdpa(enable_gqa=True)| = {diff:.3e}"
 
 
-def test_query_heads_are_grouped_like_repeat_interleave():
+@pytest.mark.parametrize("attend", [mha.attend, mha.attend_fused])
+def test_query_heads_are_grouped_like_repeat_interleave(attend):
     """Query head i must read K/V head i // g; repeat() instead of repeat_interleave() pairs them wrongly."""
     torch.manual_seed(8)
-    B, h, kv, T, dh = 1, 4, 2, 5, 8
+    B, h, kv, T, dh = 2, 4, 2, 5, 8
     q, k, v = torch.randn(B, h, T, dh), torch.randn(B, kv, T, dh), torch.randn(B, kv, T, dh)
-    o, _ = mha.attend(q, k, v)
+    o = attend(q, k, v)
+    o = o[0] if isinstance(o, tuple) else o
     right = F.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), is_causal=True)
     wrong = F.scaled_dot_product_attention(q, k.repeat(1, 2, 1, 1), v.repeat(1, 2, 1, 1), is_causal=True)
     assert (o - right).abs().max() <= 1e-6
     assert (o - wrong).abs().max() > 1e-2
 
 
+def test_attend_is_the_formula_written_out():
+    """Known answer from the formula itself, in float64: softmax(q k^T / sqrt(dh) + mask) v, per head."""
+    torch.manual_seed(9)
+    q, k, v = (torch.randn(1, 2, 4, 8, dtype=torch.float64) for _ in range(3))
+    o, p = mha.attend(q, k, v)
+    want_p = (q @ k.transpose(-1, -2) / 8 ** 0.5 + mha.causal_mask(4, 4, torch.float64)).softmax(-1)
+    assert torch.allclose(p, want_p, atol=1e-12) and torch.allclose(o, want_p @ v, atol=1e-12)
+
+
 @pytest.mark.parametrize("kv", [8, 2, 1])
 def test_causal_future_tokens_do_not_change_the_past(kv):
+    """By construction: the past's rows see the same numbers, the future's scores become exact zeros."""
     attn = gqa_module(128, 8, kv).eval()
     x = torch.randn(2, 16, 128)
     x2 = x.clone()
@@ -128,80 +155,17 @@ def test_output_shape_and_attributes():
     attn = mha.CausalMHA(96, 6, 3)
     assert (attn.n_heads, attn.n_kv_heads, attn.d_head) == (6, 3, 16)
     assert attn.in_proj.weight.shape == ((6 + 2 * 3) * 16, 96)
-    assert mha.CausalMHA(96, 6).n_kv_heads == 6
+    assert mha.CausalMHA(96, 6).n_kv_heads == 6                # None means MHA
     assert attn(torch.randn(4, 7, 96)).shape == (4, 7, 96)
 
 
-@pytest.mark.parametrize("d, h, kv, words", [
-    (100, 8, None, ["d_model=100", "n_heads=8", "multiple"]),
-    (64, 0, None, ["n_heads", "at least 1", "0"]),
-    (64, -2, 1, ["n_heads", "at least 1", "-2"]),
-    (64, 8, 3, ["n_kv_heads=3", "positive divisor", "n_heads=8"]),
-    (64, 8, 0, ["n_kv_heads=0", "positive divisor"]),
-    (64, 8, 16, ["n_kv_heads=16", "positive divisor"]),
-    (64, 8, -4, ["n_kv_heads=-4", "positive divisor"]),
-])
-def test_bad_configurations_say_what_and_why(d, h, kv, words):
-    with pytest.raises(ValueError) as e:
-        mha.CausalMHA(d, h, kv)
-    for w in words:
-        assert w in str(e.value)
-    assert "\n" not in str(e.value)
-
-
-def test_non_integer_heads_are_refused():
-    with pytest.raises(TypeError, match="n_kv_heads must be a whole number"):
-        mha.CausalMHA(64, 8, 2.0)
-
-
-@pytest.mark.parametrize("bias", ["no", 0, None, 1.0])
-def test_bias_must_be_true_or_false(bias):
-    with pytest.raises(TypeError, match=f"bias must be True or False, got {bias!r}"):
-        mha.CausalMHA(32, 4, bias=bias)
-
-
-@pytest.mark.parametrize("shape, words", [
-    ((5, 64), ["(B, T, 64)", "(5, 64)"]),
-    ((2, 5, 32), ["(B, T, 64)", "(2, 5, 32)"]),
-    ((1, 2, 5, 64), ["(1, 2, 5, 64)"]),
-    ((2, 0, 64), ["at least one token", "(2, 0, 64)"]),
-])
-def test_bad_input_shapes_say_what_they_got(shape, words):
-    attn = mha.CausalMHA(64, 8, 2)
-    with pytest.raises(ValueError) as e:
-        attn(torch.randn(shape))
-    for w in words:
-        assert w in str(e.value)
-
-
-def test_input_of_another_dtype_is_refused():
-    with pytest.raises(ValueError, match="x is torch.float64 but this module computes in torch.float32"):
-        mha.CausalMHA(64, 8, 2)(torch.randn(1, 3, 64, dtype=torch.float64))
-
-
-def test_swap_query_heads_refuses_heads_that_do_not_exist():
-    with pytest.raises(ValueError, match="query heads 0 and 9 must both lie in 0 .. 7"):
-        mha.swap_query_heads(mha.CausalMHA(64, 8), 0, 9)
-
-
-def test_from_torch_refuses_what_it_cannot_copy():
-    with pytest.raises(TypeError, match="from_torch copies an nn.MultiheadAttention, got Linear"):
-        mha.CausalMHA.from_torch(nn.Linear(4, 4))
-    with pytest.raises(ValueError, match="dropout=0.0 in training mode"):
-        mha.CausalMHA.from_torch(nn.MultiheadAttention(64, 4, dropout=0.1, batch_first=True))
-    evaluated = torch_mha(64, 4)
-    evaluated.dropout = 0.1                                # dropout does nothing in eval mode: accepted, exact
-    evaluated.eval()
-    x = torch.randn(2, 5, 64)
-    assert mha.max_diff_vs_torch(mha.CausalMHA.from_torch(evaluated), x, evaluated)[0] == 0.0
-    with pytest.raises(ValueError, match="batch_first=True"):
-        mha.CausalMHA.from_torch(nn.MultiheadAttention(64, 4))
-
-
 def test_causal_mask_aligns_new_tokens_bottom_right():
-    m = mha.causal_mask(2, 4)
-    assert m.tolist() == [[0, 0, 0, float("-inf")], [0, 0, 0, 0]]
+    assert mha.causal_mask(2, 4).tolist() == [[0, 0, 0, float("-inf")], [0, 0, 0, 0]]
     assert torch.equal(mha.causal_mask(3, 3), torch.full((3, 3), float("-inf")).triu(1))
+
+
+def test_attention_kind_names_the_kv_heads():
+    assert [mha.attention_kind(32, kv) for kv in (32, 8, 1)] == ["MHA", "GQA-8", "MQA"]
 
 
 # ----------------------------------------------------------------------------- to_gqa (MHA -> GQA conversion)
@@ -253,8 +217,7 @@ def test_to_gqa_mean_and_first_on_a_hand_made_module():
     assert first.in_proj.weight[:, 0].tolist() == [0, 1, 2, 3, 4, 6, 8, 10]
     assert mean.in_proj.bias.tolist() == [-0.0, -1, -2, -3, -4.5, -6.5, -8.5, -10.5]
     assert torch.equal(mean.out_proj.weight, attn.out_proj.weight)
-    mqa = attn.to_gqa(1)
-    assert mqa.in_proj.weight[:, 0].tolist() == [0, 1, 2, 3, 5.5, 9.5]
+    assert attn.to_gqa(1).in_proj.weight[:, 0].tolist() == [0, 1, 2, 3, 5.5, 9.5]
 
 
 def test_to_gqa_copies_and_keeps_dtype_mode_and_bias():
@@ -268,17 +231,75 @@ def test_to_gqa_copies_and_keeps_dtype_mode_and_bias():
     assert no_bias.in_proj.bias is None and no_bias.n_kv_heads == 1
 
 
+# ----------------------------------------------------------------------------- bad input: one sentence
+def one_sentence(error, words):
+    for w in words:
+        assert w in str(error.value), (w, str(error.value))
+    assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("d, h, kv, error, words", [
+    (100, 8, None, ValueError, ["d_model=100", "n_heads=8", "multiple"]),
+    (64, 0, None, ValueError, ["n_heads=0"]),
+    (64, 8, 3, ValueError, ["n_kv_heads=3", "positive divisor", "n_heads=8"]),
+    (64, 8, 0, ValueError, ["n_kv_heads=0", "positive divisor"]),
+    (64, 8, 16, ValueError, ["n_kv_heads=16", "positive divisor"]),
+    (64, 8, 2.0, TypeError, ["n_kv_heads must be a whole number", "2.0"]),
+    (64.0, 8, 2, TypeError, ["d_model must be a whole number"]),
+])
+def test_bad_sizes_say_what_and_why(d, h, kv, error, words):
+    with pytest.raises(error) as e:
+        mha.CausalMHA(d, h, kv)
+    one_sentence(e, words)
+
+
+@pytest.mark.parametrize("x, error, words", [
+    (torch.randn(5, 64), ValueError, ["(B, T, d_model=64)", "(5, 64)"]),
+    (torch.randn(2, 5, 32), ValueError, ["(2, 5, 32)"]),
+    (torch.randn(2, 0, 64), ValueError, ["T >= 1", "(2, 0, 64)"]),
+    (torch.randn(1, 3, 64, dtype=torch.float64), TypeError, ["torch.float64", "torch.float32", ".to()"]),
+    ([[1.0] * 64], ValueError, ["list"]),
+])
+def test_bad_input_says_what_it_got(x, error, words):
+    with pytest.raises(error) as e:
+        mha.CausalMHA(64, 8, 2)(x)
+    one_sentence(e, words)
+
+
+def test_weights_from_the_fused_path_are_refused():
+    with pytest.raises(ValueError) as e:
+        mha.CausalMHA(64, 8, 2)(torch.randn(1, 3, 64), need_weights=True, fused=True)
+    one_sentence(e, ["need_weights=True", "fused"])
+
+
 @pytest.mark.parametrize("kv, pool, error, words", [
     (3, "mean", ValueError, ["n_kv_heads=3", "positive divisor", "4 K/V heads"]),
-    (8, "mean", ValueError, ["n_kv_heads=8", "positive divisor"]),
+    (8, "mean", ValueError, ["n_kv_heads=8"]),
     (0, "mean", ValueError, ["n_kv_heads=0"]),
-    (-2, "mean", ValueError, ["n_kv_heads=-2"]),
     (2.0, "mean", TypeError, ["whole number", "2.0"]),
     (2, "max", ValueError, ["'max'", "'mean' or 'first'"]),
 ])
 def test_to_gqa_refuses_in_one_sentence(kv, pool, error, words):
     with pytest.raises(error) as e:
         mha.CausalMHA(64, 8, 4).to_gqa(kv, pool=pool)
-    for w in words:
-        assert w in str(e.value)
-    assert "\n" not in str(e.value)
+    one_sentence(e, words)
+
+
+@pytest.mark.parametrize("ref, error, words", [
+    (nn.Linear(4, 4), TypeError, ["nn.MultiheadAttention", "Linear"]),
+    (nn.MultiheadAttention(64, 4, dropout=0.1, batch_first=True), ValueError, ["dropout=0.0", "0.1"]),
+    (nn.MultiheadAttention(64, 4), ValueError, ["batch_first=True"]),
+    (nn.MultiheadAttention(64, 4, kdim=32, batch_first=True), ValueError, ["kdim"]),
+])
+def test_from_torch_refuses_what_it_cannot_copy(ref, error, words):
+    with pytest.raises(error) as e:
+        mha.CausalMHA.from_torch(ref)
+    one_sentence(e, words)
+
+
+def test_dropout_in_eval_mode_is_accepted_and_exact():
+    evaluated = torch_mha(64, 4)
+    evaluated.dropout = 0.1                                # dropout does nothing in eval mode
+    evaluated.eval()
+    x = torch.randn(2, 5, 64)
+    assert mha.max_diff_vs_torch(mha.CausalMHA.from_torch(evaluated), x, evaluated)[0] == 0.0
