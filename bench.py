@@ -2,7 +2,8 @@
 Benchmarks for mha.py, as ratios measured side by side in one run (absolute times on a shared machine
 wobble; ratios of interleaved runs much less), and a last line that says whether the numbers hold together.
 
-  1. CausalMHA.forward against nn.MultiheadAttention on a few shapes     goal: ours / torch <= 1.05
+  1. CausalMHA.forward against nn.MultiheadAttention on a few shapes, each path against PyTorch's own
+     that does the same operations                                       goal: ours / torch <= 1.05
   2. the whole `python mha.py` against the bare `import torch, matplotlib.pyplot`  goal: <= 2
   3. one decode step of one layer, d=4096, 32 query heads, MHA / GQA-8 / MQA, at 4096 and 8192 tokens:
      the whole module, and the attention over the cache alone, each against its roofline floor,
@@ -72,25 +73,29 @@ def verdict(ok):
 
 # ----------------------------------------------------------------------------- 1. forward
 def forward_times(B, T, d, h, rounds=ROUNDS):
-    """Per-round seconds of (ours, nn.MultiheadAttention) on one (B, T, d) input, same weights."""
+    """Per-round seconds of ours and nn.MultiheadAttention on one (B, T, d) input, same weights, like with
+    like: fused against PyTorch's default path, written out against its need_weights=True path."""
     torch.manual_seed(0)
     ref = nn.MultiheadAttention(d, h, batch_first=True).eval()
     ours = mha.CausalMHA.from_torch(ref)
     x, mask = torch.randn(B, T, d), mha.causal_mask(T, T)
     with torch.no_grad():
-        return interleaved([lambda: ours(x), lambda: ref(x, x, x, attn_mask=mask, need_weights=False)], rounds)
+        return interleaved([lambda: ours(x, fused=True), lambda: ref(x, x, x, attn_mask=mask, need_weights=False),
+                            lambda: ours(x), lambda: ref(x, x, x, attn_mask=mask, need_weights=True)], rounds)
 
 
 def bench_forward():
-    print("1. forward, float32, no grad, eval: CausalMHA against nn.MultiheadAttention (same weights)")
-    print(f"   {'B':>3}{'T':>6}{'d':>6}{'h':>4}{'ours ms':>10}{'torch ms':>10}{'ratio':>8}")
+    print("1. forward, float32, no grad, eval: CausalMHA against nn.MultiheadAttention (same weights), ms")
+    print(f"   {'B':>3}{'T':>6}{'d':>6}{'h':>4}{'fused':>9}{'torch':>9}{'ratio':>7}{'written':>10}{'torch':>9}"
+          f"{'ratio':>7}")
     worst = 0.0
     for B, T, d, h in [(8, 128, 512, 8), (4, 256, 768, 12), (1, 1024, 1024, 16), (64, 16, 256, 8)]:
-        a, b = forward_times(B, T, d, h)
-        r = ratio(a, b, f"forward {B}x{T}x{d}")
-        worst = max(worst, r)
-        print(f"   {B:>3}{T:>6}{d:>6}{h:>4}{statistics.median(a) * 1e3:>10.2f}{statistics.median(b) * 1e3:>10.2f}"
-              f"{r:>8.3f}")
+        fused, torch_default, written, torch_weights = forward_times(B, T, d, h)
+        r1, r2 = ratio(fused, torch_default, f"fused {B}x{T}x{d}"), ratio(written, torch_weights, f"written {B}x{T}x{d}")
+        worst = max(worst, r1, r2)
+        cells = "".join(f"{statistics.median(t) * 1e3:>9.2f}" for t in (fused, torch_default))
+        cells += f"{r1:>7.3f}" + "".join(f"{statistics.median(t) * 1e3:>9.2f}" for t in (written, torch_weights))
+        print(f"   {B:>3}{T:>6}{d:>6}{h:>4}{cells}{r2:>8.3f}")
     print(f"   worst ratio {worst:.3f}: {verdict(worst <= 1.05)} (<= 1.05)\n")
 
 

@@ -7,11 +7,11 @@ Multi-head attention, and its grouped-query (GQA) and multi-query (MQA) variants
      2019). The attention is written out, softmax(q k^T / sqrt(dh) + mask) v; PyTorch's fused call is beside it.
   2. The proof that every reshape is right: with the weights of PyTorch's nn.MultiheadAttention copied in,
      CausalMHA gives the same output to the last bit (max difference exactly 0.0).
-  3. The KV cache in bytes for real models: the cache, not the weights, caps how many users a GPU serves.
+  3. The KV cache in bytes for real models: with many requests, it caps how many a GPU serves at once.
   4. Decoding with a real cache, token by token, without ever copying K/V back up to n_heads.
   5. Decode time against the roofline: the least time a step can take, from how fast this machine reads the
-     step's bytes and multiplies the step's matrices, both measured in the same run.
-  After main(): the decode table, the figures, and the plumbing (bad input ends in one sentence).
+     step's own K and V and multiplies a big matrix, measured in the same run. After main(): the tables,
+     the figures, and the plumbing (bad input ends in one sentence).
 
 Not here: training (quality.py measures what GQA costs; mla.py shows what comes after it), dropout, padding
 masks, cross-attention, positional encodings.
@@ -76,7 +76,8 @@ def attention_kind(n_heads, n_kv_heads):
 
 
 def causal_mask(T, S, dtype=torch.float32):
-    """(T, S) additive mask: 0 where new token i may see key j, -inf where j lies in its future.
+    """(T, S) additive mask: 0 where new token i may see key j, -inf where j lies in its future (after the
+    softmax, exp(-inf) = 0: a future key gets no weight at all).
 
     The T new tokens are the last T of the S keys, so token i sees keys 0 .. S - T + i.
     causal_mask(2, 3) == [[0, 0, -inf], [0, 0, 0]]
@@ -89,6 +90,10 @@ def causal_mask(T, S, dtype=torch.float32):
 def attend(q, k, v):
     """softmax(q k^T / sqrt(dh) + causal mask) v, written out, each K/V head serving its g query heads.
 
+    Each query scores every key it may see (a dot product), the softmax turns one query's scores into
+    weights that sum to 1, and its output is the weighted average of the values. With g = 1 (MHA) this is
+    the textbook per-head attention, (B*h, T, dh) @ (B*h, dh, S); with g > 1 the g heads of a group share
+    one K/V head, as the picture shows.
     q: (B, h, T, dh), the queries of the T newest tokens; k, v: (B, kv, S, dh), all keys and values so far,
     the T newest last. Returns o: (B, h, T, dh) and the attention weights p: (B, h, T, S).
     Query head i reads K/V head i // g, so consecutive query heads form a group (h=4, kv=2, g=2):
@@ -103,11 +108,13 @@ def attend(q, k, v):
     B, h, T, dh = q.shape
     kv, S = k.shape[1], k.shape[2]
     g = h // kv
-    # Row r of group j is query head j*g + r // T at token r % T. E.g. h=8, kv=2 (g=4), T=3: group 1 holds
-    # heads 4..7, and its row 5 is head 4 + 5 // 3 = 5 at token 5 % 3 = 2.
+    # Index b*kv + j of the first dimension is group j of sequence b. Its row r is query head j*g + r // T at
+    # token r % T. E.g. h=8, kv=2 (g=4), T=3: group 1 holds heads 4..7, its row 5 is head 4 + 5 // 3 = 5 at
+    # token 5 % 3 = 2. Scaling q (not the scores) by 1 / sqrt(dh) keeps the scores' spread near 1 whatever
+    # dh; it is PyTorch's order, needed for the same last bit.
     q = q.reshape(B * kv, g * T, dh) * math.sqrt(1.0 / dh)   # (B, h, T, dh) -> (B*kv, g*T, dh), scaled
-    k = k.reshape(B * kv, S, dh)                           # (B, kv, S, dh) -> (B*kv, S, dh), a view
-    v = v.reshape(B * kv, S, dh)                           # (B, kv, S, dh) -> (B*kv, S, dh), a view
+    k = k.reshape(B * kv, S, dh)                           # (B, kv, S, dh) -> (B*kv, S, dh): a cache's, in place
+    v = v.reshape(B * kv, S, dh)                           # (B, kv, S, dh) -> (B*kv, S, dh)
     # The rows are g blocks of T tokens, so here .repeat is right: each block needs the same (T, S) mask.
     mask = causal_mask(T, S, q.dtype).repeat(g, 1)         # (T, S) -> (g*T, S)
     scores = torch.baddbmm(mask, q, k.transpose(1, 2))     # mask + q @ k^T in one call: (B*kv, g*T, S)
@@ -173,10 +180,8 @@ class CausalMHA(nn.Module):
     def forward(self, x, need_weights=False, cache=None, fused=False):
         """x: (B, T, d) -> y: (B, T, d), or (y, attention weights (B, h, T, S)) with need_weights.
 
-        With a cache, x holds only the new tokens: their keys and values are appended to the cache, and
-        they attend to everything cached before them and to each other, causally. fused=True runs
-        attend_fused (faster, no weights) instead of the written-out attend.
-        """
+        With a cache, x holds only the new tokens: their keys and values are appended to the cache, and they
+        attend to all cached before them and to each other. fused=True: attend_fused (faster, no weights)."""
         check_call(self, x, need_weights, cache, fused)    # one sentence, before anything is written
         B, T, _ = x.shape
         h, kv, dh = self.n_heads, self.n_kv_heads, self.d_head
@@ -279,26 +284,11 @@ def max_diff_vs_torch(attn, x, ref=None, fused=False):
     return (y - y_ref).abs().max().item(), (w - w_ref).abs().max().item()
 
 
-def max_diff_vs_sdpa(attn, x):
-    """max |ours - F.scaled_dot_product_attention(enable_gqa=True)|, projected the textbook way (batch-major,
-    so within a tolerance). is_causal=True is right here, where T == S (see causal_mask)."""
-    B, T, _ = x.shape
-    h, kv, dh = attn.n_heads, attn.n_kv_heads, attn.d_head
-    with torch.no_grad():
-        q, k, v = attn.in_proj(x).split([h * dh, kv * dh, kv * dh], dim=-1)
-        q = q.view(B, T, h, dh).transpose(1, 2)            # (B, T, h, dh) -> (B, h, T, dh)
-        k = k.view(B, T, kv, dh).transpose(1, 2)           # (B, T, kv, dh) -> (B, kv, T, dh)
-        v = v.view(B, T, kv, dh).transpose(1, 2)           # (B, T, kv, dh) -> (B, kv, T, dh)
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)  # (B, h, T, dh)
-        y_ref = attn.out_proj(o.transpose(1, 2).reshape(B, T, h * dh))  # (B, h, T, dh) -> (B, T, d)
-        return (attn(x) - y_ref).abs().max().item()
-
-
 def swap_query_heads(attn, i, j):
     """Swap the query rows of heads i and j in place: a copy with two heads in the wrong order.
 
-    Swapping two heads everywhere would change nothing (the heads are summed in the end); swapping only
-    their queries pairs head i's queries with head j's keys, the kind of mistake a wrong reshape makes.
+    Swapping two heads everywhere, out_proj's columns too, would change nothing: out_proj mixes all heads
+    alike. Swapping only their queries pairs head i's queries with head j's keys, as a wrong reshape would.
     """
     dh = attn.d_head
     with torch.no_grad():
@@ -307,14 +297,6 @@ def swap_query_heads(attn, i, j):
                 rows_i, rows_j = t[i * dh:(i + 1) * dh].clone(), t[j * dh:(j + 1) * dh].clone()
                 t[i * dh:(i + 1) * dh], t[j * dh:(j + 1) * dh] = rows_j, rows_i
     return attn
-
-
-def report(label, diff, tol):
-    """Print one aligned line of evidence and return whether diff is within tol."""
-    ok = diff <= tol
-    rule = "must be exactly 0" if tol == 0 else f"tolerance {tol:.0e}"
-    print(f"  {label:<52} = {diff:.2e}  {'OK' if ok else 'FAIL'}  ({rule})")
-    return ok
 
 
 def random_module(n_kv_heads, seed):
@@ -396,17 +378,12 @@ def check_cache(n_kv_heads, seed):
     return ok & report("      max |cached - full forward| / max |full forward|", diff, 1e-5)
 
 
-def relative_diff(a, b):
-    """max |a - b| / max |b|: a difference in units of b's own size, whatever the input's scale."""
-    return ((a - b).abs().max() / b.abs().max()).item()
-
-
 # ----------------------------------------------------------------------------- decode time: a roofline
 # A decode step (T = 1) of one layer does 4 h S dh FLOPs (q k^T and p v, 2 per multiply-add) and reads
 # 2 kv S dh numbers (K and V): h / (2 kv) = g / 2 FLOPs per byte in fp32, g in a 16-bit type. A machine
 # reads so many bytes and computes so many FLOPs per second, so
 #     least time of a step = max(bytes / read rate, FLOPs / FLOP rate)        (the roofline)
-# Below the ridge, FLOP rate / read rate FLOPs per byte, the bytes decide (memory-bound); above it, the FLOPs.
+# Below the ridge (FLOP rate / read rate, in FLOPs per byte) the bytes decide; above it, the FLOPs.
 # How fast bytes are read depends on where they lie: a few MB of K and V stay in the CPU's caches, hundreds
 # of MB come from memory. So the read rate is measured on each step's own K and V (a plain sum of them), and
 # the FLOP rate on a big square matmul, the most this CPU computes. The step's products are timed alone too.
@@ -465,6 +442,35 @@ def main(argv=None):
     print(f"\nFigures written to {os.path.join(os.path.relpath(args.out_dir), '')}: {', '.join(figures)}")
     print(f"Now change N_KV_HEADS (or pass --n-kv-heads) and run again. All checks: {'OK' if ok else 'FAIL'}")
     return 0 if ok else 1
+
+
+# ----------------------------------------------------------------------------- helpers of the checks
+def max_diff_vs_sdpa(attn, x):
+    """max |ours - F.scaled_dot_product_attention(enable_gqa=True)|, projected the textbook way (batch-major,
+    so within a tolerance). is_causal=True is right here, where T == S (see causal_mask)."""
+    B, T, _ = x.shape
+    h, kv, dh = attn.n_heads, attn.n_kv_heads, attn.d_head
+    with torch.no_grad():
+        q, k, v = attn.in_proj(x).split([h * dh, kv * dh, kv * dh], dim=-1)
+        q = q.view(B, T, h, dh).transpose(1, 2)            # (B, T, h, dh) -> (B, h, T, dh)
+        k = k.view(B, T, kv, dh).transpose(1, 2)           # (B, T, kv, dh) -> (B, kv, T, dh)
+        v = v.view(B, T, kv, dh).transpose(1, 2)           # (B, T, kv, dh) -> (B, kv, T, dh)
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)  # (B, h, T, dh)
+        y_ref = attn.out_proj(o.transpose(1, 2).reshape(B, T, h * dh))  # (B, h, T, dh) -> (B, T, d)
+        return (attn(x) - y_ref).abs().max().item()
+
+
+def report(label, diff, tol):
+    """Print one aligned line of evidence and return whether diff is within tol."""
+    ok = diff <= tol
+    rule = "must be exactly 0" if tol == 0 else f"tolerance {tol:.0e}"
+    print(f"  {label:<52} = {diff:.2e}  {'OK' if ok else 'FAIL'}  ({rule})")
+    return ok
+
+
+def relative_diff(a, b):
+    """max |a - b| / max |b|: a difference in units of b's own size, whatever the input's scale."""
+    return ((a - b).abs().max() / b.abs().max()).item()
 
 
 # ----------------------------------------------------------------------------- the cache tables
@@ -583,7 +589,7 @@ def timing_contradictions(timing, slack=0.1, elsewhere=0.25):
 
 
 def print_decode_table(timing, problems):
-    """Section 5: the ceilings and floors at the longest context, every step's time, and what they say."""
+    """Section 5: the ceilings and floors at the longest context, and what they say (every context is drawn)."""
     h, kinds, s_max = LLAMA_HEADS, list(timing.steps), max(timing.contexts)
     ridge = timing.ceilings(h, s_max).ridge                # from memory: MHA's K and V do not fit in the caches
     print(f"\n5. Decode step: one layer's attention (attend) over its cache, {h} query heads, dh={LLAMA_D_HEAD}, "
@@ -597,14 +603,6 @@ def print_decode_table(timing, problems):
         (floor, bound), t = timing.floor(kv, s_max), timing.steps[kv][-1]
         print(f"   {attention_kind(h, kv):<7}{h / kv / 2:>10.1f}{timing.ceilings(kv, s_max).bandwidth / 1e9:>11.1f}  "
               f"{bound:<8}{floor * 1e3:>9.3f}{t * 1e3:>10.3f}{floor / t:>9.0%}{timing.products[kv][-1] / t:>10.0%}")
-    print("   ms per step at every context, the share of its floor it reaches, and the speed-up over MHA:")
-    print(f"   {'context':>7}" + "".join(f" |{attention_kind(h, kv):>8}{'roof':>5}{'vs MHA':>7}" for kv in kinds))
-    for i, S in enumerate(timing.contexts):
-        cells = ""
-        for kv in kinds:
-            t = timing.steps[kv][i]
-            cells += f" |{t * 1e3:>8.3f}{timing.floor(kv, S)[0] / t:>5.0%}{timing.steps[h][i] / t:>6.1f}x"
-        print(f"   {S:>7}{cells}")
     if problems:
         more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
         print(f"   NOT TRUSTWORTHY, the machine was busy while timing: {problems[0]}{more}")
