@@ -1,67 +1,47 @@
 """
 What grouped-query (GQA) and multi-query (MQA) attention cost in quality, measured on real text, in minutes.
 
-mha.py measures what sharing K/V heads saves (bytes, decode time). This file measures what it costs: it
-trains a tiny character-level language model built around mha.CausalMHA on Python's own documentation and
+mha.py measures what sharing K/V heads saves; this file measures what it costs. It trains a tiny character-level
+language model built around mha.CausalMHA on Python's own documentation (pydoc_data.topics, no download) and
 reports validation loss in bits per character, with a 95 % confidence interval for every comparison.
+  A. From scratch: MHA, GQA-4, GQA-2 and MQA, a seed's configurations starting from one initialisation and
+     seeing the same batches. Built to resolve MQA's cost: MHA and MQA train on 5 seeds, 81 % power at the
+     effect measured beforehand on seeds 10-15 (+0.033 bits/char, sd 0.019, at 1800 steps); GQA-4 and GQA-2
+     on the first 3 seeds, all that 12 minutes on 2 cores leave.
+  B. Conversion (Ainslie et al. 2023, section 2.1): each trained MHA of those 3 seeds becomes GQA/MQA by
+     pooling its K/V heads, then trains 5 % more, beside the control: the same MHA trained on in the same way.
+  C. What each head of a trained MHA attends to, and its attention maps on a real passage.
+  D. Head ablation (Michel et al. 2019): how much one trained MHA needs each head, and how many can go.
+It does not claim the cost at scale (d=64, two layers, minutes of training); no dropout, GPU, tokenizer.
 
-What this file shows, top to bottom:
-  1. The data: the text of pydoc_data.topics, shipped with CPython (no download), split by position into
-     training text and validation text (the last VAL_FRACTION of it).
-  2. The model: pre-LayerNorm transformer blocks (attention, then an MLP), learned positions, 8 query heads.
-  3. Paired differences and their 95 % intervals (Student's t), from which every verdict follows.
-  A. From scratch: MHA, GQA-4, GQA-2 and MQA, every configuration of a seed starting from the same
-     initialisation and seeing the same batches, so the differences to MHA are paired by seed.
-  B. Conversion (Ainslie et al. 2023, section 2.1): each trained MHA becomes GQA/MQA by mean-pooling its
-     K/V heads (or keeping each group's first head, or starting them afresh), then trains a little more.
-  C. Trained attention maps: every head of a trained MHA on a real passage, and what each head attends to.
-  D. Head ablation (Michel et al. 2019): how much the trained MHA needs each head, how many can go, and
-     whether C's roles predict it.
-  Figures: figures/quality.png and figures/trained_attention_maps.png.
-  The models train in WORKERS processes side by side, one thread each (the section before main() says why).
+Run it:   python quality.py           (about 10 minutes on a 2-core AMD EPYC; writes figures/)
+          python quality.py --quick   (about a minute: a smoke run for trying an edit; it resolves nothing)
 
-What it deliberately does not do: claim the cost at scale. The model is tiny (d=64, two layers) and trained
-for minutes, so its numbers are about this scale only; and the default run, which fits 6 minutes on 2 cores,
-resolves none of the costs from scratch (their 95 % intervals include zero): the longer run below resolves
-MQA's. No dropout, no GPU, no tokenizer, no sampling of text.
-
-Run it:   python quality.py                 (about 5 minutes on 2 CPU cores; writes figures/)
-          python quality.py --steps 2500    (the longer run, about 13 minutes)
-
-Papers: Vaswani et al. 2017, "Attention Is All You Need", arXiv:1706.03762.
-        Shazeer 2019, "Fast Transformer Decoding: One Write-Head Is All You Need", arXiv:1911.02150.
-        Ainslie et al. 2023, "GQA: Training Generalized Multi-Query Transformer Models from Multi-Head
-        Checkpoints", arXiv:2305.13245.
-        Michel, Levy and Neubig 2019, "Are Sixteen Heads Really Better than One?", arXiv:1905.10650.
-
-Shapes, the alphabet of mha.py: B batch, T characters in a window, d model width, h query heads, kv K/V
-heads, dh = d / h head width; and V, the number of distinct characters (the vocabulary).
+Papers: Vaswani et al. 2017, arXiv:1706.03762; Shazeer 2019 (MQA), arXiv:1911.02150; Ainslie et al. 2023 (GQA),
+arXiv:2305.13245; Michel, Levy and Neubig 2019, "Are Sixteen Heads Really Better than One?", arXiv:1905.10650.
+Shapes, the alphabet of mha.py: B batch, T characters in a window, d model width, h query heads, kv K/V heads,
+dh = d / h head width, V distinct characters (the vocabulary).
 """
 
-import argparse
 import concurrent.futures
+import contextlib
 import copy
-import ctypes
 import hashlib
+import inspect
 import math
 import multiprocessing
 import os
 import signal
+import statistics
 import sys
 import threading
 import time
 
-try:                                    # Ctrl-C while torch loads, in the first second: one line, not 39
-    import torch
-    import torch.nn.functional as F
-    from torch import nn
+import torch
+import torch.nn.functional as F
+from torch import nn
 
-    import mha
-except KeyboardInterrupt:
-    if __name__ != "__main__":
-        raise
-    print(f"\n{os.path.basename(sys.argv[0])}: interrupted", file=sys.stderr)
-    sys.exit(130)
+import mha
 
 # ----------------------------------------------------------------------------- knobs
 D_MODEL = 64          # d: model width
@@ -70,26 +50,26 @@ N_LAYERS = 2          # transformer blocks
 MLP_WIDTH = 256       # hidden units of each block's MLP (4 d)
 CONTEXT = 64          # T: characters the model sees at once (and learned positions)
 BATCH = 16            # B: windows per training step
-STEPS = 1000          # training steps of each from-scratch model (--steps)
+STEPS = 1800          # training steps of each from-scratch model (--steps)
 LR = 7e-3             # peak learning rate of AdamW; high, because the model is tiny and the budget short
 WARMUP = 0.1          # fraction of the steps over which the learning rate rises linearly from 0 to LR
 MIN_LR = 0.1          # the cosine decay ends at MIN_LR * LR
 WEIGHT_DECAY = 0.1    # AdamW weight decay, on weight matrices only
 CLIP = 1.0            # gradient norm is clipped to this
-SEEDS = (0, 1, 2)     # one initialisation and one data order per seed (--seeds)
+SEEDS = (0, 1, 2, 3, 4)   # MHA and MQA train once per seed, an initialisation and a data order (--seeds)
+GQA_SEEDS = 3         # the other configurations train on the first 3 seeds only; B converts those 3 MHAs
+QUICK_STEPS, QUICK_SEEDS = 150, (0, 1)   # --quick: the smoke run
 CONFIGS = {"MHA": 8, "GQA-4": 4, "GQA-2": 2, "MQA": 1}   # name: K/V heads of the 8-query-head model
 POOLS = ("mean", "first", "random")    # how conversion makes a K/V head from its group (B)
-UPTRAIN = (0.05, 0.10)                 # further training after conversion, as fractions of the steps
-UPTRAIN_LR = LR / 4   # constant learning rate of that further training, after its warmup
-UPTRAIN_WARMUP = 5    # steps of linear warmup of the further training (the optimizer starts afresh)
+UPTRAIN = 0.05        # further training after conversion, as a fraction of the steps (the paper's 5 %)
+UPTRAIN_LR, UPTRAIN_WARMUP = LR / 4, 5   # its constant learning rate, after 5 steps of warmup (a fresh AdamW)
 VAL_FRACTION = 0.1    # the last tenth of the text is validation
 EVAL_WINDOWS = 256    # validation loss is the mean over these many windows, evenly spaced: 16,384 characters
+BLOCKS = 16           # D's intervals: over 16 blocks of 16 consecutive windows (batch means)
 PASSAGE = 36          # characters of the passage whose attention maps are drawn (C)
-PRUNE_MARKS = (1, 2, 4, 8, 12)         # D: the pruning curve is printed after these many heads are gone
-PRUNE_LIMIT = 0.05    # D: how many heads can go before the loss rises by more than this (bits/char)
+PRUNE_MARKS, PRUNE_LIMIT = (1, 2, 4, 8, 12), 0.05   # D: pruning printed after these many heads; can go: rise < 0.05
 WORKERS = 2           # processes that train models side by side, one torch thread each (see "on both cores")
-PLAIN_EVERY = 5.0     # seconds between progress lines when stderr is not a terminal
-BYTES_PER_NUMBER = 4  # the KV cache of this float32 model
+STEP_SECONDS = 0.037  # a training step in each of 2 workers on the AMD EPYC: the estimate printed first
 OUT_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "figures")
 FIGURES = ("quality.png", "trained_attention_maps.png")
 
@@ -101,13 +81,6 @@ def load_text():
     return "\n".join(topics[name] for name in sorted(topics))
 
 
-def describe_text(text):
-    """One line naming where the text came from, so that a run on another Python is not mistaken for this one."""
-    digest = hashlib.sha256(text.encode("utf-8")).hexdigest()[:12]
-    return (f"pydoc_data.topics of Python {sys.version.split()[0]}: {len(text):,} characters, "
-            f"{len(set(text))} distinct, sha256 {digest}")
-
-
 class Data:
     """The text as character ids, split by position: train first, validation last."""
 
@@ -116,9 +89,8 @@ class Data:
         lookup = {c: i for i, c in enumerate(self.chars)}
         ids = torch.tensor([lookup[c] for c in text], dtype=torch.long)
         cut = int(len(text) * (1 - VAL_FRACTION))
-        self.train, self.val = ids[:cut], ids[cut:]
-        self.val_text = text[cut:]
-        # Evenly spaced validation windows, the same for every model: inputs x and next characters y.
+        self.train, self.val, self.val_text = ids[:cut], ids[cut:], text[cut:]
+        # Evenly spaced validation windows in text order, the same for every model: inputs x, next characters y.
         starts = torch.linspace(0, len(self.val) - CONTEXT - 1, EVAL_WINDOWS).long()
         self.val_x, self.val_y = windows(self.val, starts)  # (EVAL_WINDOWS, T) each
 
@@ -130,40 +102,27 @@ class Data:
 
 def windows(ids, starts):
     """Inputs x: (B, T), the characters at starts .. starts + T - 1, and targets y: (B, T), one further on."""
-    offsets = torch.arange(CONTEXT + 1)
-    w = ids[starts[:, None] + offsets]                     # (B, T + 1)
+    w = ids[starts[:, None] + torch.arange(CONTEXT + 1)]   # (B, T + 1)
     return w[:, :-1], w[:, 1:]
 
 
-def baselines(data):
-    """Validation bits/char of the unigram and bigram models of the training text (add-one smoothing).
-
-    They bracket what any model should beat: no context, and one character of context.
-    """
-    V = len(data.chars)
-    pairs = torch.zeros(V, V).index_put_((data.train[:-1], data.train[1:]), torch.tensor(1.0), accumulate=True)
-    unigram = (pairs.sum(0) + 1) / (pairs.sum() + V)       # (V,), p(next)
-    bigram = (pairs + 1) / (pairs.sum(1, keepdim=True) + V)  # (V, V), p(next | this)
-    x, y = data.val_x.flatten(), data.val_y.flatten()
-    return -unigram[y].log2().mean().item(), -bigram[x, y].log2().mean().item()
-
-
 # ----------------------------------------------------------------------------- the model
+# Training runs PyTorch's fused attention (F.scaled_dot_product_attention): faster, and the same function as
+# the written-out one that need_weights runs. An older mha.py runs it by default and has no keyword for it.
+FUSED = {"fused": True} if "fused" in inspect.signature(mha.CausalMHA.forward).parameters else {}
+
+
 class Block(nn.Module):
     """x + attention(LayerNorm(x)), then x + MLP(LayerNorm(x)): the pre-LayerNorm block of GPT-2."""
 
     def __init__(self, n_kv_heads):
         super().__init__()
-        self.ln1 = nn.LayerNorm(D_MODEL)
+        self.ln1, self.ln2 = nn.LayerNorm(D_MODEL), nn.LayerNorm(D_MODEL)
         self.attn = mha.CausalMHA(D_MODEL, N_HEADS, n_kv_heads)
-        self.ln2 = nn.LayerNorm(D_MODEL)
         self.mlp = nn.Sequential(nn.Linear(D_MODEL, MLP_WIDTH), nn.GELU(), nn.Linear(MLP_WIDTH, D_MODEL))
 
-    def forward(self, x, need_weights=False):              # x: (B, T, d)
-        if need_weights:
-            a, p = self.attn(self.ln1(x), need_weights=True)   # (B, T, d), (B, h, T, T)
-        else:
-            a, p = self.attn(self.ln1(x)), None
+    def forward(self, x, need_weights=False):              # x: (B, T, d); p: (B, h, T, T) or None
+        a, p = self.attn(self.ln1(x), need_weights=True) if need_weights else (self.attn(self.ln1(x), **FUSED), None)
         x = x + a
         return x + self.mlp(self.ln2(x)), p                # (B, T, d)
 
@@ -182,10 +141,6 @@ class CharLM(nn.Module):
             self.embed.weight.normal_(0.0, 0.02)
             self.pos.normal_(0.0, 0.02)
 
-    @property
-    def n_kv_heads(self):
-        return self.blocks[0].attn.n_kv_heads
-
     def forward(self, x, need_weights=False):
         """x: (B, T) character ids -> logits (B, T, V), and with need_weights each layer's (B, h, T, T)."""
         h = self.embed(x) + self.pos[:x.shape[1]]          # (B, T, d)
@@ -203,18 +158,14 @@ def bits_per_char(logits, y):
 
 
 def with_kv_heads(model, n_kv_heads, pool, seed=0):
-    """A copy of model whose every attention has n_kv_heads K/V heads, made by CausalMHA.to_gqa.
-
-    pool "mean" and "first" are to_gqa's; "random" keeps the queries and gives the new K/V heads fresh
-    random weights (nn.Linear's own initial distribution), so the model must learn them again.
-    """
+    """A copy of model whose every attention has n_kv_heads K/V heads, made by CausalMHA.to_gqa: pool "mean" or
+    "first", or "random", which keeps the queries and draws new K/V heads as nn.Linear draws its weights."""
     new = copy.deepcopy(model)
     g = torch.Generator().manual_seed(seed)
     for block in new.blocks:
         block.attn = block.attn.to_gqa(n_kv_heads, "first" if pool == "random" else pool)
         if pool == "random":
-            rows = slice(N_HEADS * block.attn.d_head, None)     # every K row, then every V row
-            bound = 1 / math.sqrt(D_MODEL)                      # nn.Linear's U(-1/sqrt(d), 1/sqrt(d))
+            rows, bound = slice(N_HEADS * block.attn.d_head, None), 1 / math.sqrt(D_MODEL)   # K, V rows; U(-b, b)
             with torch.no_grad():
                 for t in (block.attn.in_proj.weight, block.attn.in_proj.bias):
                     t[rows] = torch.rand(t[rows].shape, generator=g) * 2 * bound - bound
@@ -222,24 +173,16 @@ def with_kv_heads(model, n_kv_heads, pool, seed=0):
 
 
 def fresh_models(vocab, seed):
-    """{config: model} of one seed, all from one initialisation.
-
-    The MHA is drawn from the seed; every other configuration is that MHA with, in each group of K/V
-    heads, the first one kept (to_gqa pool="first"). The kept heads have exactly the distribution of a
-    freshly made CausalMHA, and everything else (queries, MLP, embeddings) is the same to the bit.
-    """
+    """{config: model} of one seed, from one initialisation: the MHA drawn from the seed, and that MHA with the
+    first K/V head of each group kept (pool "first"), distributed exactly as a fresh CausalMHA's heads."""
     torch.manual_seed(seed)
     base = CharLM(vocab, N_HEADS)
     return {name: base if kv == N_HEADS else with_kv_heads(base, kv, "first") for name, kv in CONFIGS.items()}
 
 
-def n_params(model):
-    return sum(p.numel() for p in model.parameters())
-
-
-def cache_bytes_per_token(model):
-    """KV-cache bytes one token adds: 2 (K and V) x layers x K/V heads x dh x 4 bytes (float32)."""
-    return mha.kv_cache_bytes(N_LAYERS, model.n_kv_heads, D_MODEL // N_HEADS, 1, bytes_per_elem=BYTES_PER_NUMBER)
+def cache_bytes_per_token(n_kv_heads):
+    """KV-cache bytes one token adds: 2 (K and V) x layers x K/V heads x dh x 4 bytes (this model's float32)."""
+    return mha.kv_cache_bytes(N_LAYERS, n_kv_heads, D_MODEL // N_HEADS, 1, bytes_per_elem=4)
 
 
 # ----------------------------------------------------------------------------- training
@@ -252,108 +195,69 @@ def lr_at(step, steps):
     return LR * (MIN_LR + (1 - MIN_LR) * 0.5 * (1 + math.cos(math.pi * done)))
 
 
-def uptrain_lr_at(step, steps):
-    """Further training after conversion: a short linear warmup, then constant UPTRAIN_LR."""
-    return UPTRAIN_LR * min(1.0, (step + 1) / UPTRAIN_WARMUP)
-
-
-def optimizer(model):
-    """AdamW with weight decay on the weight matrices only (not on biases, LayerNorms or positions)."""
-    decay = [p for n, p in model.named_parameters() if p.dim() == 2 and n != "pos"]
+def train(model, data, starts, schedule, evaluate_at=()):
+    """Train model in place on the windows at starts (steps, B), at the learning rates schedule(step, steps);
+    return {step: validation bits/char} before each step in evaluate_at (len(starts): after the last)."""
+    decay = [p for n, p in model.named_parameters() if p.dim() == 2 and n != "pos"]   # weight matrices only
     rest = [p for n, p in model.named_parameters() if not (p.dim() == 2 and n != "pos")]
-    return torch.optim.AdamW([{"params": decay, "weight_decay": WEIGHT_DECAY}, {"params": rest, "weight_decay": 0.0}],
-                             lr=LR, betas=(0.9, 0.95))
-
-
-def train(model, data, starts, schedule, evaluate_at=(), tick=None):
-    """Train model in place on the windows at starts (steps, B); return {step: validation bits/char}.
-
-    schedule(step, steps) gives each step's learning rate. Validation is measured before the steps listed
-    in evaluate_at (a step equal to len(starts) means after the last). tick(), if given, is called after
-    every step with the step's seconds: in a worker it counts the step for the progress line.
-    """
-    steps, opt, curve = len(starts), optimizer(model), {}
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": WEIGHT_DECAY}, {"params": rest, "weight_decay": 0.0}],
+                            lr=LR, betas=(0.9, 0.95))
+    steps, curve = len(starts), {}
     model.train()
     for step in range(steps + 1):
         if step in evaluate_at:
-            curve[step] = evaluate(model, data)
+            curve[step] = window_losses(model, data).mean().item()
         if step == steps:
-            break
+            return curve
         for group in opt.param_groups:
             group["lr"] = schedule(step, steps)
-        t0 = time.perf_counter()
         x, y = windows(data.train, starts[step])           # (B, T), (B, T)
         loss = bits_per_char(model(x), y)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         nn.utils.clip_grad_norm_(model.parameters(), CLIP)
         opt.step()
-        if tick:
-            tick(time.perf_counter() - t0)
-    return curve
 
 
 @torch.no_grad()
-def evaluate(model, data):
-    """Validation bits per character over the EVAL_WINDOWS fixed windows, in chunks of 64 windows."""
+def window_losses(model, data):
+    """Validation bits/char of each of the EVAL_WINDOWS windows, (EVAL_WINDOWS,), 64 windows at a time."""
     model.eval()
-    total = 0.0
-    for i in range(0, EVAL_WINDOWS, 64):
-        x, y = data.val_x[i:i + 64], data.val_y[i:i + 64]  # (64, T) each
-        total += bits_per_char(model(x), y).item() * len(x)
+    logits = torch.cat([model(data.val_x[i:i + 64]) for i in range(0, EVAL_WINDOWS, 64)])   # (N, T, V)
     model.train()
-    return total / EVAL_WINDOWS
+    nats = F.cross_entropy(logits.transpose(1, 2), data.val_y, reduction="none")          # (N, V, T) -> (N, T)
+    return nats.mean(1) / math.log(2)
 
 
 # ----------------------------------------------------------------------------- paired differences, 95 % intervals
-# Every comparison here is paired: two models of one seed share their initialisation and every batch, so
-# their difference on the same validation windows cancels most of what the seed alone decides. Over n
-# seeds the differences have a mean and a standard deviation sd, and the mean's 95 % confidence interval
-# is   mean +/- t(0.975, n - 1) * sd / sqrt(n)   (Student's t: with few seeds, sd is itself uncertain).
-# With 3 seeds t is 4.303, so the mean must stand 2.5 sd clear of zero; with 1 seed there is no sd at all.
-
+# Two models of one seed share their initialisation and every batch, and are measured on the same windows,
+# so a comparison is paired: one difference per seed. Over n seeds the differences have a mean and a
+# standard deviation sd, and the mean's 95 % confidence interval is
+#     mean +/- t(0.975, n - 1) * sd / sqrt(n)     (Student's t: with few seeds, sd is itself uncertain).
+# With 5 seeds t is 2.776, so the mean must stand 1.24 sd clear of zero; with 3 seeds, 2.48 sd.
 T_975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262,
          10: 2.228, 12: 2.179, 15: 2.131, 20: 2.086, 30: 2.042, 60: 2.000, 120: 1.980}   # df: t(0.975, df)
 
 
 def t_975(df):
-    """The 0.975 quantile of Student's t with df degrees of freedom, from the table above.
-
-    Between two rows it takes the smaller df, whose t is larger: the interval is then a little too wide,
-    never too narrow. t_975(2) == 4.303, t_975(11) == 2.228 (the exact value is 2.201).
-    """
+    """t(0.975, df) from the table; between two rows the smaller df's, larger: an interval never too narrow.
+    t_975(2) == 4.303, t_975(11) == 2.228 (the exact value is 2.201)."""
     return T_975[max(k for k in T_975 if k <= df)]
-
-
-def average(values):
-    """The mean over seeds, sum / n: one definition, so every table and panel rounds alike."""
-    return sum(values) / len(values)
-
-
-def spread(values):
-    """Standard deviation over seeds (n - 1 in the denominator); None for a single seed."""
-    if len(values) < 2:
-        return None
-    mean = average(values)
-    return math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1))
 
 
 def interval(values):
     """The 95 % confidence interval of the mean, (low, high), or None for a single value.
-
-    interval([0.1, 0.2, 0.3]) == (0.2 - 4.303 * 0.1 / sqrt(3), 0.2 + ...) == (-0.048, 0.448), rounded.
-    """
+    interval([0.1, 0.2, 0.3]) == (0.2 - 4.303 * 0.1 / sqrt(3), 0.2 + ...) == (-0.048, 0.448), rounded."""
     if len(values) < 2:
         return None
-    half = t_975(len(values) - 1) * spread(values) / math.sqrt(len(values))
-    return average(values) - half, average(values) + half
+    half = t_975(len(values) - 1) * statistics.stdev(values) / math.sqrt(len(values))
+    return statistics.mean(values) - half, statistics.mean(values) + half
 
 
 def paired(values):
     """'+0.031 [-0.029, +0.091]': the mean paired difference and its 95 % interval ('+0.031' for one seed)."""
     ci = interval(values)
-    text = f"{average(values):+.3f}"
-    return text if ci is None else text + f" [{ci[0]:+.3f}, {ci[1]:+.3f}]"
+    return f"{statistics.mean(values):+.3f}" + ("" if ci is None else f" [{ci[0]:+.3f}, {ci[1]:+.3f}]")
 
 
 def verdict(diffs, worse="worse than MHA", better="better than MHA"):
@@ -361,164 +265,172 @@ def verdict(diffs, worse="worse than MHA", better="better than MHA"):
     ci = interval(diffs)
     if ci is None:
         return "one seed: cannot judge"
-    if ci[0] > 0:
-        return worse
-    if ci[1] < 0:
-        return better
-    return "not resolved at this budget"
+    return worse if ci[0] > 0 else better if ci[1] < 0 else "not resolved"
+
+
+def tested_in_order():
+    """A's comparisons in the order fixed before any run, fewest K/V heads first (MQA, GQA-2, GQA-4). Each is
+    tested only if the one before was resolved (a fixed sequence): the chance of any false verdict among the
+    three stays at 5 % with no interval widened (Holm or Bonferroni over three would resolve none here)."""
+    return sorted((name for name, kv in CONFIGS.items() if kv != N_HEADS), key=CONFIGS.get)
+
+
+def seeds_of(name, seeds):
+    """MHA and the first configuration tested (MQA) train on every seed, the others on the first GQA_SEEDS."""
+    return seeds if name == "MHA" or name == tested_in_order()[0] else seeds[:GQA_SEEDS]
 
 
 # ----------------------------------------------------------------------------- A. from scratch
-def run_from_scratch(data, seeds, steps, workers):
-    """Train every configuration of every seed. Returns {seed: {config: (model, final bits/char, curve)}}."""
-    tasks = [(name, seed, steps) for name in CONFIGS for seed in seeds]    # the longest (MHA) first
-    done = workers.run("A. from scratch", [(train_from_scratch, task) for task in tasks])
-    results = {seed: {} for seed in seeds}
-    for (name, seed, _), (weights, curve) in zip(tasks, done):
-        model = CharLM(len(data.chars), CONFIGS[name])
-        model.load_state_dict(weights)
-        results[seed][name] = (model, curve[steps], curve)
+def run_from_scratch(seeds, steps, run):
+    """Train every configuration on its seeds. Returns {config: {seed: (model, validation bits/char)}}."""
+    tasks = [(name, seed, steps) for name in CONFIGS for seed in seeds_of(name, seeds)]   # MHA, the longest, first
+    results = {name: {} for name in CONFIGS}
+    done = run("A. from scratch", [(train_from_scratch, task, steps) for task in tasks])
+    for (name, seed, _), result in zip(tasks, done):
+        results[name][seed] = result
     return results
 
 
 def train_from_scratch(name, seed, steps):
-    """One from-scratch model, as a worker trains it (WORKER holds the worker's data, see "on both cores"):
-    returns its weights and its validation curve."""
-    data = WORKER["data"]
-    model = fresh_models(len(data.chars), seed)[name]
-    marks = {round(steps * k / 8) for k in range(9)}       # validation along the way, for the gap along training
-    curve = train(model, data, data.batches(seed, steps), lr_at, evaluate_at=marks, tick=WORKER["tick"])
-    return model.state_dict(), curve
+    """One from-scratch model, as a worker trains it (WORKER holds its data): the model, its validation loss."""
+    model, data = fresh_models(len(WORKER["data"].chars), seed)[name], WORKER["data"]
+    return model, train(model, data, data.batches(seed, steps), lr_at, {steps})[steps]
 
 
-def print_table_a(results, steps):
-    seeds = list(results)
-    print(f"\nA. From scratch: {steps} steps, {len(seeds)} seed{'s' * (len(seeds) > 1)} "
-          f"({', '.join(map(str, seeds))}); validation bits/char, mean and standard deviation over seeds")
-    print("   paired: each seed's configurations share their initialisation and every batch; the difference to "
-          "MHA\n   is its mean over seeds and, in brackets, the 95% confidence interval of that mean")
-    print(f"   {'config':<7}{'K/V heads':>10}{'params':>9}{'KV bytes/token':>16}{'mean':>8}{'sd':>7}"
-          f"   {'minus MHA, paired [95% interval]':<33} verdict")
+def gaps(scratch, name):
+    """name minus MHA, one paired difference for each seed of name."""
+    return [run[1] - scratch["MHA"][s][1] for s, run in scratch[name].items()]
+
+
+def print_table_a(scratch, steps):
+    print(f"\nA. From scratch, {steps} steps; validation bits/char, mean and standard deviation over seeds ("
+          + ", ".join(f"{name} {','.join(map(str, scratch[name]))}" for name in CONFIGS) + ")")
+    print("   paired: a seed's configurations share their initialisation and every batch; the difference to MHA "
+          "is its mean\n   over seeds and, in brackets, its 95% confidence interval. Tested in the order fixed in "
+          f"advance, {', '.join(tested_in_order())},\n   each only if the one before was resolved: the chance of any "
+          "false verdict among them is 5%")
+    print(f"   {'config':<7}{'K/V heads':>10}{'params':>9}{'KV bytes/token':>16}{'seeds':>7}{'mean':>8}{'sd':>7}"
+          f"   {'minus MHA [95% interval]':<25} verdict")
+    said, previous = {}, None
+    for name in tested_in_order():
+        tested = previous is None or said[previous].endswith("than MHA")
+        said[name] = verdict(gaps(scratch, name)) if tested else f"not tested ({previous} not resolved)"
+        previous = name
     for name, kv in CONFIGS.items():
-        model = results[seeds[0]][name][0]
-        losses = [results[s][name][1] for s in seeds]
-        sd = spread(losses)
-        diffs = [results[s][name][1] - results[s]["MHA"][1] for s in seeds]
-        compared = "" if name == "MHA" else f"{paired(diffs):<33} {verdict(diffs)}"
-        print(f"   {name:<7}{kv:>10}{n_params(model):>9,}{cache_bytes_per_token(model):>16,}{average(losses):>8.3f}"
-              f"{'' if sd is None else f'{sd:.3f}':>7}   {compared}".rstrip())
+        losses = [run[1] for run in scratch[name].values()]
+        params = sum(p.numel() for p in next(iter(scratch[name].values()))[0].parameters())
+        sd = f"{statistics.stdev(losses):.3f}" if len(losses) > 1 else ""
+        compared = "" if name == "MHA" else f"{paired(gaps(scratch, name)):<25} {said[name]}"
+        print(f"   {name:<7}{kv:>10}{params:>9,}{cache_bytes_per_token(kv):>16,}{len(losses):>7}"
+              f"{statistics.mean(losses):>8.3f}{sd:>7}   {compared}".rstrip())
+    unpaired = {n: math.hypot(*(statistics.stdev([scratch[m][s][1] for s in scratch[n]]) for m in (n, "MHA")))
+                for n in tested_in_order() if len(scratch[n]) > 1}
+    print("   what pairing buys: the sd of the paired differences, against sqrt(sd_MHA^2 + sd^2) over the same seeds, "
+          "the sd\n   of unpaired ones: " + ", ".join(f"{n} {statistics.stdev(gaps(scratch, n)):.3f} against {u:.3f}"
+                                                  for n, u in unpaired.items()))
 
 
 # ----------------------------------------------------------------------------- B. conversion
-def run_conversion(scratch, steps, workers, ablated_seed):
-    """Convert each seed's trained MHA to every smaller configuration with every pool, and train on; and
-    meanwhile, on the same workers, table D's ablation of ablated_seed's trained MHA.
-
-    Returns {seed: {(config, pool): {step: bits/char}}}, steps counted from the conversion, and what
-    head_ablation returns. The further training sees the batches that come after the original steps in the
-    seed's data order, the same for every conversion of a seed; ("MHA", "none") is the trained MHA itself,
-    trained on the same way.
-    """
+# Ainslie et al. uptrain "on the same pre-training recipe"; here it is a fresh AdamW at a constant UPTRAIN_LR, 2.5
+# times the end of the cosine, which alone moves an MHA's loss. So conversions are compared with that control.
+def run_conversion(scratch, steps, run, seeds):
+    """Convert each trained MHA of seeds to every smaller configuration by every pool, and train on; beside
+    them on the workers, table D's ablation of the first seed's MHA. Returns ({seed: {(config, pool): {step:
+    bits/char}}}, steps counted from the conversion; head_ablation's result). ("MHA", "none") is the control."""
     targets = [("MHA", "none")] + [(n, p) for n in CONFIGS if n != "MHA" for p in POOLS]
-    tasks = [(name, pool, seed, steps, runs["MHA"][0].state_dict())
-             for seed, runs in scratch.items() for name, pool in targets]
-    ablation = (ablate_heads, (scratch[ablated_seed]["MHA"][0].state_dict(),))
-    ablated, *done = workers.run("B. conversion", [ablation] + [(convert_and_train, task) for task in tasks])
-    curves = {seed: {} for seed in scratch}
+    tasks = [(name, pool, seed, steps, scratch["MHA"][seed][0]) for seed in seeds for name, pool in targets]
+    ablated, *done = run("B. conversion", [(head_ablation, (scratch["MHA"][seeds[0]][0],), 0)]
+                         + [(convert_and_train, task, uptrain_steps(steps, task[1])) for task in tasks])
+    curves = {seed: {} for seed in seeds}
     for (name, pool, seed, _, _), curve in zip(tasks, done):
         curves[seed][name, pool] = curve
     return curves, ablated
 
 
-def uptrain_steps(steps):
-    """The further training after conversion, in steps: UPTRAIN of the original steps, at least 1 and 2, so
-    that the two columns of table B are never the same evaluation (--steps 4: 1 and 2)."""
-    first = max(1, round(UPTRAIN[0] * steps))
-    return [first, max(first + 1, round(UPTRAIN[1] * steps))]
+def uptrain_steps(steps, pool="mean"):
+    """The further training after conversion: UPTRAIN of the original steps, at least 1; none for random K/V."""
+    return 0 if pool == "random" else max(1, round(UPTRAIN * steps))
 
 
-def convert_and_train(name, pool, seed, steps, mha_weights):
-    """One conversion, as a worker runs it: the trained MHA to config by pool, then the further training."""
-    data, up = WORKER["data"], uptrain_steps(steps)
-    trained = CharLM(len(data.chars), N_HEADS)
-    trained.load_state_dict(mha_weights)
-    model = trained if pool == "none" else with_kv_heads(trained, CONFIGS[name], pool, seed)
-    starts = data.batches(seed, steps + up[-1])[steps:]
-    return train(model, data, starts, uptrain_lr_at, evaluate_at={0, *up}, tick=WORKER["tick"])
+def convert_and_train(name, pool, seed, steps, model):
+    """One conversion, as a worker runs it: the trained MHA to config by pool, then the further training on the
+    batches that follow the original steps in the seed's data order (random K/V: measured right after)."""
+    data, up = WORKER["data"], uptrain_steps(steps, pool)  # model's tensors are shared with every process: copy
+    model = copy.deepcopy(model) if pool == "none" else with_kv_heads(model, CONFIGS[name], pool, seed)
+    warm_then_flat = lambda step, _: UPTRAIN_LR * min(1.0, (step + 1) / UPTRAIN_WARMUP)   # warmup, then flat
+    return train(model, data, data.batches(seed, steps + up)[steps:], warm_then_flat, {0, up})
 
 
 def print_table_b(curves, scratch, steps):
-    seeds, up = list(curves), uptrain_steps(steps)
-    print(f"\nB. Conversion of each trained MHA (Ainslie et al. 2023, section 2.1), then further training at "
-          f"lr {UPTRAIN_LR:g}\n   validation bits/char, mean over {len(seeds)} seed{'s' * (len(seeds) > 1)}; "
-          f"+{UPTRAIN[0]:.0%} = {up[0]} step{'s' * (up[0] > 1)}, +{UPTRAIN[1]:.0%} = {up[1]} steps more than "
-          f"the {steps} of A")
-    print(f"   {'config':<7}{'K/V from':<13}{'right after':>12}{f'+{UPTRAIN[0]:.0%}':>8}{f'+{UPTRAIN[1]:.0%}':>8}"
-          f"{'from scratch (A)':>18}")
-    for (name, pool) in curves[seeds[0]]:
-        cells = "".join(f"{average([curves[s][name, pool][k] for s in seeds]):>{w}.3f}"
-                        for k, w in ((0, 12), (up[0], 8), (up[1], 8)))
-        scratch_loss = average([scratch[s][name][1] for s in seeds])
-        label = "(trained)" if pool == "none" else pool + (" pool" if pool == "mean" else "")
-        print(f"   {name:<7}{label:<13}{cells}{scratch_loss:>18.3f}")
-    # Two findings of Ainslie et al. (their Figure 4), each a paired difference by seed, with its interval.
-    for title, column, other in (("right after conversion", 0, "random"), (f"after +{UPTRAIN[1]:.0%}", up[1], "first")):
-        print(f"   mean pool minus {other} {'K/V' if other == 'random' else 'head'}, {title}, paired by seed "
-              "[95% interval]:")
+    seeds, up, col = list(curves), uptrain_steps(steps), f"+{UPTRAIN:.0%}"
+    print(f"\nB. Conversion of the trained MHA of seeds {', '.join(map(str, seeds))} (Ainslie et al. 2023, section "
+          f"2.1), then {up} step{'s' * (up > 1)} ({UPTRAIN:.0%} of A's)\n   more training at a constant lr "
+          f"{UPTRAIN_LR:g}; the control is the MHA trained on in the same way. Validation bits/char, mean over\n"
+          "   seeds; each conversion minus the control, paired by seed [95% interval]")
+    print(f"   {'config':<7}{'K/V from':<11}{'right after':>12}{col:>8}   {'minus the control':<25}"
+          f"{'from scratch (A)':>16}")
+    control = [curves[s]["MHA", "none"][up] for s in seeds]
+    for name, pool in curves[seeds[0]]:
+        final = [curves[s][name, pool][uptrain_steps(steps, pool)] for s in seeds]
+        after = f"{statistics.mean(final):>8.3f}" if pool != "random" else f"{'-':>8}"
+        versus = paired([f - c for f, c in zip(final, control)]) if pool not in ("none", "random") else ""
+        label = "(control)" if pool == "none" else pool + " pool" * (pool == "mean")
+        print(f"   {name:<7}{label:<11}{statistics.mean([curves[s][name, pool][0] for s in seeds]):>12.3f}{after}   "
+              f"{versus:<25}{statistics.mean([scratch[name][s][1] for s in seeds]):>16.3f}")
+    # Two findings of Ainslie et al., each paired by seed: mean pooling starts better than random K/V heads,
+    # and, in their Figure 4 (MQA after 5 % uptraining), ends a little better than keeping the first head.
+    for title, other, column in (("right after conversion", "random K/V", 0), (f"after {col}", "first head", up)):
+        print(f"   mean pool minus {other}, {title}, paired by seed [95% interval]:")
         for name in (n for n in CONFIGS if n != "MHA"):
-            diffs = [curves[s][name, "mean"][column] - curves[s][name, other][column] for s in seeds]
+            diffs = [curves[s][name, "mean"][column] - curves[s][name, other.split()[0]][column] for s in seeds]
             print(f"      {name:<7}{paired(diffs):<28}{verdict(diffs, 'mean pool worse', 'mean pool better')}")
+    print("   B's intervals are each at 95%, not corrected for their number: read them as a description")
 
 
 # ----------------------------------------------------------------------------- C. trained attention maps
 def passage_start(text):
     """The first line of the text that opens with a capital and runs PASSAGE characters of plain prose."""
     plain = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ ,.")
-    for i in range(1, len(text) - PASSAGE):
-        if text[i - 1] == "\n" and text[i].isupper() and set(text[i:i + PASSAGE]) <= plain:
-            return i
-    raise ValueError(f"no line of {PASSAGE} characters of plain prose in the validation text")
+    return next(i for i in range(1, len(text) - PASSAGE)
+                if text[i - 1] == "\n" and text[i].isupper() and set(text[i:i + PASSAGE]) <= plain)
+
+
+@torch.no_grad()
+def attention_maps(model, x):
+    """Each layer's attention weights (B, h, T, T) of the model, in evaluation mode, on x (B, T)."""
+    model.eval()
+    maps = model(x, need_weights=True)[1]
+    model.train()
+    return maps
 
 
 def head_roles(model, data):
-    """Mean attention of every head on four kinds of key over all validation windows, and the same for
-    uniform causal attention (every key so far alike): the level a head reaches by favouring nothing.
-
-    Returns ({role: (layers, h) tensor}, {role: float}). Roles: the previous character, the character
-    itself, whitespace (spaces and newlines), and the first character of the current word (just after the
-    last whitespace). Uniform attention puts 28% of itself on whitespace here, about the share of whitespace
-    in the text: a head at 28% on whitespace favours nothing.
-    """
-    x = data.val_x                                          # (N, T)
-    with torch.no_grad():
-        model.eval()
-        _, maps = model(x, need_weights=True)               # each (N, h, T, T)
-        model.train()
-    N, T = x.shape
+    """({role: (layers, h)}, {role: level}): every head's mean attention over the validation windows on four
+    kinds of key (the previous character, the character itself, whitespace, the first character of the current
+    word), and the level of uniform causal attention, which favours nothing (28% on whitespace, its share)."""
+    x, (N, T) = data.val_x, data.val_x.shape               # (N, T)
+    maps = attention_maps(model, x)                         # each (N, h, T, T)
     space = torch.tensor([c.isspace() for c in data.chars])[x]        # (N, T)
     pos = torch.arange(T).expand_as(x)                                 # (N, T)
     # The start of the word that holds position i: the latest j <= i with j == 0 or a space at j - 1.
     after_space = torch.cat([torch.ones_like(space[:, :1]), space[:, :-1]], dim=1)   # (N, T)
     word_start = torch.where(after_space, pos, torch.zeros_like(pos)).cummax(dim=1).values  # (N, T)
     keys = torch.arange(T)
-    masks = {
-        "previous": (keys[None, :] == keys[:, None] - 1).expand(N, T, T),            # (N, T, T)
-        "itself": (keys[None, :] == keys[:, None]).expand(N, T, T),
-        "whitespace": space[:, None, :].expand(N, T, T),
-        "word start": keys[None, None, :] == word_start[:, :, None],
-    }
+    masks = {"previous": (keys[None, :] == keys[:, None] - 1).expand(N, T, T),           # (N, T, T) each
+             "itself": (keys[None, :] == keys[:, None]).expand(N, T, T),
+             "whitespace": space[:, None, :].expand(N, T, T), "word start": keys == word_start[:, :, None]}
 
     def on(p, m):                                           # p (N, h, T, T), m (N, T, T) -> (h,)
         return (p * m[:, None].float())[:, :, 1:].sum(-1).mean((0, 2))   # row 0 can only see itself
 
     uniform = torch.tril(torch.ones(T, T)) / (keys[:, None] + 1)       # (T, T): row i is 1/(i+1) on keys 0..i
     roles = {role: torch.stack([on(p, m) for p in maps]) for role, m in masks.items()}   # (layers, h) each
-    chance = {role: on(uniform.expand(N, 1, T, T), m).item() for role, m in masks.items()}
-    return roles, chance
+    return roles, {role: on(uniform.expand(N, 1, T, T), m).item() for role, m in masks.items()}
 
 
 def strongest(roles, chance, layer, head):
-    """The kind of key a head favours most, as a multiple of uniform attention's level: ('itself', 7.7)."""
+    """('itself', 7.7): of the four kinds of key, the one a head favours most, as a multiple of uniform's level.
+    The largest of four hand-picked ratios: a label, not how sharply the head attends."""
     ratios = {r: roles[r][layer, head].item() / chance[r] for r in roles}
     top = max(ratios, key=ratios.get)
     return top, ratios[top]
@@ -527,33 +439,28 @@ def strongest(roles, chance, layer, head):
 def print_table_c(roles, chance, seed):
     prev = roles["previous"]
     layer, head = divmod(int(prev.argmax()), N_HEADS)
-    print(f"\nC. What each head of the trained MHA attends to (seed {seed}): mean attention on each kind "
-          f"of key,\n   over {EVAL_WINDOWS * CONTEXT:,} validation characters. 'uniform' attends to every key so "
-          "far alike; 'strongest' is\n   the kind of key a head favours most, as a multiple of that uniform level")
-    print(f"   {'layer':>5}{'head':>5}" + "".join(f"{role:>12}" for role in roles) + "   strongest")
+    print(f"\nC. What each head of the trained MHA attends to (seed {seed}): mean attention on each kind of key, over "
+          f"{EVAL_WINDOWS * CONTEXT:,}\n   validation characters. 'uniform' attends to every key so far alike; "
+          "'favours most' is the kind of key, of\n   these four, with the largest multiple of that uniform level")
+    print(f"   {'layer':>5}{'head':>5}" + "".join(f"{role:>12}" for role in roles) + "   favours most")
     print((f"   {'uniform':>10}" + "".join(f"{chance[r]:>11.0%} " for r in roles)).rstrip())
     for i in range(N_LAYERS):
         for j in range(N_HEADS):
             top, ratio = strongest(roles, chance, i, j)
             print(f"   {i:>5}{j:>5}" + "".join(f"{roles[r][i, j].item():>11.0%} " for r in roles)
                   + f"  {top}, {ratio:.1f}x uniform")
-    print(f"   most previous-character-like: layer {layer} head {head}, {prev[layer, head]:.0%} of its attention "
-          "on the character just before")
+    print(f"   most previous-character-like: {layer}.{head}, {prev[layer, head]:.0%} on the previous character")
     return layer, head
 
 
 # ----------------------------------------------------------------------------- D. head ablation
 # Michel, Levy and Neubig (2019) silence heads of a trained model at test time and find that many can go
 # with little loss: the number of heads is not a measure of what the model needs. Table C tells a story
-# about each head; here the model is asked how much it needs each one. Evaluations only, no training.
-
+# about each head; here one trained model is asked how much it needs each one. Evaluations only.
 def without_heads(model, heads):
-    """A copy of model with every (layer, head) in heads silenced: its output zeroed before out_proj.
-
-    out_proj sees the heads side by side, o = [o_0 | o_1 | ... | o_7] (each dh wide), so
-    out_proj(o) = W o + b = W[:, 0:dh] o_0 + W[:, dh:2dh] o_1 + ... + b: zeroing head j's dh columns of W is
-    the same as zeroing o_j (Michel et al.'s mask of 0), or as removing o_j and its columns altogether.
-    """
+    """A copy of model with every (layer, head) in heads silenced: its output zeroed before out_proj. out_proj
+    sees the heads side by side, o = [o_0 | o_1 | ... | o_7] (each dh wide), so W o + b = W[:, 0:dh] o_0 +
+    W[:, dh:2dh] o_1 + ... + b: zeroing head j's dh columns of W is zeroing o_j (Michel et al.'s mask of 0)."""
     new = copy.deepcopy(model)
     dh = D_MODEL // N_HEADS
     with torch.no_grad():
@@ -562,40 +469,24 @@ def without_heads(model, heads):
     return new
 
 
-@torch.no_grad()
-def window_losses(model, data):
-    """Validation bits/char of each of the EVAL_WINDOWS windows, (EVAL_WINDOWS,), so that two models can
-    be compared window by window (paired); their mean is what evaluate() gives, up to rounding."""
-    model.eval()
-    logits = torch.cat([model(data.val_x[i:i + 64]) for i in range(0, EVAL_WINDOWS, 64)])   # (N, T, V)
-    model.train()
-    nats = F.cross_entropy(logits.transpose(1, 2), data.val_y, reduction="none")          # (N, V, T) -> (N, T)
-    return nats.mean(1) / math.log(2)
-
-
-def head_ablation(model, data):
-    """Michel et al.'s test-time ablation of a trained MHA. Returns (base, alone, order, curve):
-
-    base, the intact model's (EVAL_WINDOWS,) window losses; alone[(layer, head)], the (EVAL_WINDOWS,) rise
-    of each window's loss with only that head silenced; order, the heads from the least needed (smallest
-    rise alone) to the most, the order in which Michel et al. prune them; curve[k], the mean loss with the
-    first k heads of order silenced together (curve[0]: intact; one head always stays).
-    """
-    heads = [(i, j) for i in range(N_LAYERS) for j in range(N_HEADS)]
+def head_ablation(model, data=None):
+    """Test-time ablation of a trained MHA. Returns (alone, order, curve): alone[(layer, head)], each window's
+    loss rise (EVAL_WINDOWS,) with only that head silenced; order, the heads from the least needed alone to the
+    most (Michel et al.'s "individual oracle" comparison, not their gradient score); curve[k], the mean loss
+    with the first k heads of order silenced together (curve[0]: intact; one head always stays). In a worker,
+    beside B's conversions, data is the worker's."""
+    data, heads = data or WORKER["data"], [(i, j) for i in range(N_LAYERS) for j in range(N_HEADS)]
     base = window_losses(model, data)
     alone = {hd: window_losses(without_heads(model, [hd]), data) - base for hd in heads}
     order = sorted(heads, key=lambda hd: alone[hd].mean().item())
-    curve = [base.mean().item()] + [window_losses(without_heads(model, order[:k]), data).mean().item()
-                                    for k in range(1, len(heads))]
-    return base, alone, order, curve
+    curve = [window_losses(without_heads(model, order[:k]), data).mean().item() for k in range(len(heads))]
+    return alone, order, curve
 
 
-def ablate_heads(mha_weights):
-    """head_ablation, as a worker runs it beside the conversions of B."""
-    data = WORKER["data"]
-    model = CharLM(len(data.chars), N_HEADS)
-    model.load_state_dict(mha_weights)
-    return head_ablation(model, data)
+def block_means(rise):
+    """The means of BLOCKS runs of consecutive windows. Neighbouring windows are pieces of one document and
+    their losses correlate, so D's intervals are over these block means (batch means), not over windows."""
+    return [b.mean().item() for b in torch.tensor_split(rise, BLOCKS)]
 
 
 def heads_that_can_go(curve):
@@ -604,171 +495,88 @@ def heads_that_can_go(curve):
     return over[0] - 1 if over else len(curve) - 1
 
 
-def rank_correlation(a, b):
-    """Spearman's rank correlation: +1 if b orders the items exactly as a does, -1 if exactly reversed."""
-    ranks = torch.stack([torch.tensor(v).argsort().argsort().double() for v in (a, b)])   # (2, n)
-    return torch.corrcoef(ranks)[0, 1].item()
-
-
 def print_table_d(ablation, roles, chance, seed):
-    _, alone, order, curve = ablation
-    heads = list(alone)
-    rise = {hd: alone[hd].mean().item() for hd in heads}
+    alone, order, curve = ablation
+    heads, rise = list(alone), {hd: alone[hd].mean().item() for hd in alone}
     rank = {hd: k + 1 for k, hd in enumerate(sorted(heads, key=rise.get, reverse=True))}
-    print(f"\nD. How much the trained MHA needs each head (seed {seed}; Michel et al. 2019): the loss with one head's "
+    lags = [torch.corrcoef(torch.stack([alone[hd][:-1], alone[hd][1:]]))[0, 1].item() for hd in heads]
+    print(f"\nD. How much one trained MHA (seed {seed}) needs each head (Michel et al. 2019): the loss with one head's "
           f"output\n   zeroed before out_proj, minus the intact model's {curve[0]:.3f} bits/char, paired on the same "
-          f"{EVAL_WINDOWS} windows;\n   [95% interval] over those windows; rank 1 is the head the model needs most; "
-          "role: table C's strongest")
+          f"{EVAL_WINDOWS} windows. A window's rise\n   correlates with the next one's ({min(lags):+.2f} to "
+          f"{max(lags):+.2f}), so the [95% interval] is over {BLOCKS} blocks of consecutive windows.\n   Rank 1 "
+          "is the head the model needs most; role: table C's 'favours most'. One model, not heads in general")
     print(f"   {'layer':>5}{'head':>5}   {'loss rise [95% interval]':<27}{'rank':>4}   role (C)")
-    for layer, head in heads:
-        top, ratio = strongest(roles, chance, layer, head)
-        print(f"   {layer:>5}{head:>5}   {paired(alone[layer, head].tolist()):<27}{rank[layer, head]:>4}   "
-              f"{top}, {ratio:.1f}x uniform")
+    for hd in heads:
+        role = "{}, {:.1f}x uniform".format(*strongest(roles, chance, *hd))
+        print(f"   {hd[0]:>5}{hd[1]:>5}   {paired(block_means(alone[hd])):<27}{rank[hd]:>4}   {role}")
     marks = [k for k in (0, *PRUNE_MARKS) if k < len(curve)]
-    print("   pruning, the least needed head first (smallest rise alone), the heads gone staying gone:")
-    print("   heads gone  " + "".join(f"{k:>8}" for k in marks))
+    print("   pruning in the order of each head's rise alone, least first (Michel et al.'s 'individual oracle'), the "
+          "heads\n   gone staying gone:\n   heads gone  " + "".join(f"{k:>8}" for k in marks))
     print("   bits/char   " + "".join(f"{curve[k]:>8.3f}" for k in marks))
     print("   rise        " + "".join(f"{curve[k] - curve[0]:>+8.3f}" for k in marks))
     print("   order: " + ", ".join(f"{layer}.{head}" for layer, head in order) + "  (layer.head)")
     can_go = heads_that_can_go(curve)
-    if can_go < len(curve) - 1:
-        print(f"   {can_go} of {len(heads)} heads can go before the loss rises by more than {PRUNE_LIMIT} bits/char; "
-              f"the next takes it to {curve[can_go + 1] - curve[0]:+.3f}")
-    else:
-        print(f"   {can_go} of {len(heads)} heads can go and the loss has not risen by more than {PRUNE_LIMIT} "
-              "bits/char")
-    prev = roles["previous"]
-    layer, head = divmod(int(prev.argmax()), N_HEADS)
+    print(f"   {can_go} of {len(heads)} heads can go before the loss rises by more than {PRUNE_LIMIT} bits/char"
+          + (f"; the next takes it to {curve[can_go + 1] - curve[0]:+.3f}" if can_go < len(curve) - 1 else ""))
+    layer, head = divmod(int(roles["previous"].argmax()), N_HEADS)
     print(f"   does C predict D? the most previous-character-like head ({layer}.{head}) ranks {rank[layer, head]} of "
-          f"{len(heads)}")
-    print("   rank correlation (Spearman; +1 if C predicted D perfectly) of a head's 'strongest' multiple of uniform")
-    print(f"   with its loss rise: {correlation(heads, roles, chance, rise):+.2f} over all heads, "
-          + ", ".join(f"{correlation([hd for hd in heads if hd[0] == i], roles, chance, rise):+.2f} within layer {i}"
-                      for i in range(N_LAYERS)))
-
-
-def correlation(heads, roles, chance, rise):
-    """Spearman's rank correlation of how sharp each head is (table C) with how much it is needed (D)."""
-    return rank_correlation([strongest(roles, chance, *hd)[1] for hd in heads], [rise[hd] for hd in heads])
+          f"{len(heads)}, and the roles above are labels from four\n   kinds of key: 16 heads cannot show whether "
+          "a role ranks importance")
 
 
 # ----------------------------------------------------------------------------- figures
 COLORS = {"MHA": "tab:red", "GQA-4": "tab:green", "GQA-2": "tab:purple", "MQA": "tab:blue"}
-POOL_STYLE = {"mean": "-", "first": "--", "random": ":"}
+ROLE_COLORS = {"previous": "tab:orange", "itself": "tab:olive", "whitespace": "tab:cyan", "word start": "tab:pink"}
 
 
-def plot_quality(scratch, curves, steps, ablation, roles, chance):
-    """Top: loss against KV-cache bytes per token; the paired gap to MHA along training (does it close with
-    more steps?); conversion curves. Bottom: table D, each head's importance and the pruning curve."""
-    seeds = list(scratch)
-    several = len(seeds) > 1
-    fig = mha.new_figure(16, 10)
-    grid = fig.add_gridspec(2, 3)
-    left, middle, right = (fig.add_subplot(grid[0, k]) for k in range(3))
-    heads_ax, prune_ax = fig.add_subplot(grid[1, :2]), fig.add_subplot(grid[1, 2])
-    for name in CONFIGS:
-        b = cache_bytes_per_token(scratch[seeds[0]][name][0])
-        losses = [scratch[s][name][1] for s in seeds]
-        mean, ci = average(losses), interval(losses)
-        bar = [[mean - ci[0]], [ci[1] - mean]] if ci else None
-        left.errorbar([b], [mean], yerr=bar, marker="o", capsize=4, color=COLORS[name], label=name)
-        left.scatter([b] * len(losses), losses, s=8, color=COLORS[name], alpha=0.4)
-        left.annotate(name, (b, mean), textcoords="offset points", xytext=(8, 4), fontsize=9)
-        if name == "MHA":
-            middle.axhline(0.0, color=COLORS[name], lw=1, label="MHA")
-            continue
-        marks = sorted(k for k in scratch[seeds[0]][name][2] if k > 0)
-        gaps = [[scratch[s][name][2][k] - scratch[s]["MHA"][2][k] for s in seeds] for k in marks]  # paired
-        middle.plot(marks, [average(g) for g in gaps], color=COLORS[name], marker="o", ms=3, label=name)
-        if several:
-            middle.fill_between(marks, [interval(g)[0] for g in gaps], [interval(g)[1] for g in gaps],
-                                color=COLORS[name], alpha=0.12, lw=0)
+def plot_quality(scratch, steps, ablation, roles, chance, seed):
+    """Left: A's loss against KV-cache bytes per token. Right: D, each head's loss rise alone, coloured by its
+    role in C."""
+    from matplotlib.patches import Patch
+    fig = mha.new_figure(16, 5.5)
+    left, right = fig.subplots(1, 2, gridspec_kw={"width_ratios": [1, 2]})
+    for name, kv in CONFIGS.items():
+        losses, color = [run[1] for run in scratch[name].values()], COLORS.get(name)
+        mean, b = statistics.mean(losses), cache_bytes_per_token(kv)
+        low, high = interval(losses) or (mean, mean)
+        left.errorbar([b], [mean], yerr=[[mean - low], [high - mean]], marker="o", capsize=4, color=color)
+        left.scatter([b] * len(losses), losses, s=8, color=color, alpha=0.4)
+        left.annotate(f"{name} ({len(losses)})", (b, mean), textcoords="offset points", xytext=(8, 4), fontsize=9)
     left.set_xscale("log", base=2)
-    ticks = sorted(cache_bytes_per_token(scratch[seeds[0]][n][0]) for n in CONFIGS)
+    ticks = sorted(cache_bytes_per_token(kv) for kv in CONFIGS.values())
     left.set_xticks(ticks, [str(t) for t in ticks])
     left.minorticks_off()
-    left.set_xlabel("KV cache per token (bytes, float32)")
-    left.set_ylabel("validation loss (bits/char)")
-    shows = "bars: 95% interval of the mean" if several else "one seed"
-    left.set_title(f"From scratch, {steps} steps, {len(seeds)} seed(s): mean, {shows}; dots: seeds", fontsize=9)
-    middle.set_xlabel("training step")
-    middle.set_ylabel("validation loss minus MHA's, same seed (bits/char)")
-    middle.set_title(f"From scratch: the gap to MHA along training, mean over {len(seeds)} seed(s)"
-                     + (",\nband: its 95% interval (excludes 0: resolved)" if several else ""), fontsize=9)
-    middle.legend(fontsize=8)
-    for name in CONFIGS:
-        for pool in (["none"] if name == "MHA" else POOLS):
-            marks = sorted(curves[seeds[0]][name, pool])
-            mean = [average([curves[s][name, pool][k] for s in seeds]) for k in marks]
-            label = "MHA, not converted" if pool == "none" else f"{name} {pool}"
-            right.plot([steps + k for k in marks], mean, color=COLORS[name], ls=POOL_STYLE.get(pool, "-"),
-                       marker="o", ms=3, label=label)
-        right.axhline(average([scratch[s][name][1] for s in seeds]), color=COLORS[name], lw=0.8, alpha=0.6)
-    right.set_xlabel(f"training steps (the MHA's {steps}, then further training)")
-    right.set_ylabel("validation loss (bits/char)")
-    right.set_title("Converted from the trained MHA, mean over seeds;\nthin lines: each config from scratch",
-                    fontsize=9)
-    right.legend(fontsize=7, ncol=2)
-    plot_ablation(heads_ax, prune_ax, ablation, roles, chance, seeds[0])
+    left.set(xlabel="KV cache per token (bytes, float32)", ylabel="validation loss (bits/char)")
+    left.set_title(f"A. From scratch, {steps} steps: mean, bars: its 95% interval;\ndots: seeds (their number in "
+                   "brackets)", fontsize=9)
+    alone = ablation[0]
+    for k, hd in enumerate(alone):
+        rise = block_means(alone[hd])
+        mean, (low, high) = statistics.mean(rise), interval(rise)
+        right.bar(k, mean, color=ROLE_COLORS[strongest(roles, chance, *hd)[0]], yerr=[[mean - low], [high - mean]],
+                  capsize=3)
+    right.legend([Patch(color=c) for c in ROLE_COLORS.values()], [f"favours most in C: {r}" for r in ROLE_COLORS],
+                 fontsize=8)
+    right.set_xticks(range(len(alone)), [f"{layer}.{head}" for layer, head in alone])
+    right.axhline(0.0, color="black", lw=0.8)
+    right.set(xlabel="layer.head", ylabel="loss rise with this head silenced (bits/char)")
+    right.set_title(f"D. Each head of one trained MHA (seed {seed}) silenced alone, paired on {EVAL_WINDOWS} "
+                    f"validation windows;\nbars: 95% interval over {BLOCKS} blocks of them", fontsize=9)
     fig.suptitle(f"What sharing K/V heads costs: character-level LM on pydoc_data.topics, d={D_MODEL}, "
                  f"{N_HEADS} query heads, {N_LAYERS} layers, T={CONTEXT}, batch {BATCH}", fontsize=11)
     fig.tight_layout()
     return fig
 
 
-ROLE_COLORS = {"previous": "tab:orange", "itself": "tab:olive", "whitespace": "tab:cyan", "word start": "tab:pink"}
-
-
-def plot_ablation(heads_ax, prune_ax, ablation, roles, chance, seed):
-    """Table D: each head's loss rise alone, coloured by its role in table C; the pruning curve."""
-    from matplotlib.patches import Patch
-    _, alone, _, curve = ablation
-    heads = list(alone)
-    for k, hd in enumerate(heads):
-        rise = alone[hd].tolist()
-        low, high = interval(rise)
-        top = strongest(roles, chance, *hd)[0]
-        heads_ax.bar(k, average(rise), color=ROLE_COLORS[top], yerr=[[average(rise) - low], [high - average(rise)]],
-                     capsize=3)
-    heads_ax.legend([Patch(color=c) for c in ROLE_COLORS.values()], [f"strongest in C: {r}" for r in ROLE_COLORS],
-                    fontsize=8)
-    heads_ax.set_xticks(range(len(heads)), [f"{layer}.{head}" for layer, head in heads])
-    heads_ax.axhline(0.0, color="black", lw=0.8)
-    heads_ax.set_xlabel("layer.head")
-    heads_ax.set_ylabel("loss rise with this head silenced (bits/char)")
-    heads_ax.set_title(f"D. Each head of the trained MHA (seed {seed}) silenced alone, paired on {EVAL_WINDOWS} "
-                       "validation windows; bars: 95% interval over those windows", fontsize=9)
-    prune_ax.plot(range(len(curve)), curve, marker="o", ms=3, color="black")
-    prune_ax.axhline(curve[0] + PRUNE_LIMIT, color="tab:red", lw=0.8, ls="--",
-                     label=f"intact + {PRUNE_LIMIT} bits/char")
-    can_go = heads_that_can_go(curve)
-    prune_ax.annotate(f"{can_go} heads can go", (can_go, curve[can_go]), textcoords="offset points",
-                      xytext=(-10, 14), fontsize=8, ha="right")
-    prune_ax.set_xlabel(f"heads silenced together (of {len(heads)}), the least needed alone first")
-    prune_ax.set_ylabel("validation loss (bits/char)")
-    prune_ax.set_title(f"D. Pruning the trained MHA (seed {seed}), head after head", fontsize=9)
-    prune_ax.legend(fontsize=8)
-
-
-def shown(c):
-    """How a character appears as a tick label: a space as an open box, a newline as a return arrow."""
-    return {" ": "\u2423", "\n": "\u21b5"}.get(c, c)
-
-
 def plot_trained_maps(model, data, seed, steps, best):
     """Every head of the trained MHA on a real passage from the validation text, characters as ticks."""
     start = passage_start(data.val_text)
     text = data.val_text[start:start + PASSAGE]
-    x = data.val[start:start + PASSAGE][None]               # (1, T)
-    with torch.no_grad():
-        model.eval()
-        _, maps = model(x, need_weights=True)               # each (1, h, T, T)
-        model.train()
+    maps = attention_maps(model, data.val[start:start + PASSAGE][None])   # (1, T) -> each (1, h, T, T)
     cols, rows = 4, N_LAYERS * N_HEADS // 4
     fig = mha.new_figure(3.2 * cols + 1, 3.2 * rows + 0.8)
-    axes = fig.subplots(rows, cols, squeeze=False)
-    labels = [shown(c) for c in text]
-    for k, ax in enumerate(axes.flat):
+    labels = [{" ": "\u2423", "\n": "\u21b5"}.get(c, c) for c in text]   # a space as an open box, a newline as ↵
+    for k, ax in enumerate(fig.subplots(rows, cols, squeeze=False).flat):
         layer, head = divmod(k, N_HEADS)
         im = ax.imshow(maps[layer][0, head].numpy(), cmap="viridis", vmin=0.0, vmax=1.0)
         ax.set_title(f"layer {layer} head {head}" + ("  (previous char)" if (layer, head) == best else ""),
@@ -776,167 +584,129 @@ def plot_trained_maps(model, data, seed, steps, best):
         ax.set_xticks(range(len(text)), labels, fontsize=5)
         ax.set_yticks(range(len(text)), labels, fontsize=5)
         ax.tick_params(length=0, pad=1)
-    fig.subplots_adjust(left=0.03, right=0.92, bottom=0.03, top=1 - 1.0 / (3.2 * rows + 0.8), wspace=0.15,
-                        hspace=0.25)
+    fig.subplots_adjust(left=0.03, right=0.92, bottom=0.03, top=1 - 1 / (3.2 * rows + 0.8), wspace=0.15, hspace=0.25)
     fig.colorbar(im, cax=fig.add_axes([0.935, 0.2, 0.012, 0.6]), label="attention probability")
     layer, head = best
-    p = maps[layer][0, head]
+    share = torch.diagonal(maps[layer][0, head], -1).mean()
     fig.suptitle(f"Trained MHA (d={D_MODEL}, {N_HEADS} heads, {N_LAYERS} layers, {steps} steps, seed {seed}), every "
-                 "head on a validation passage; rows: query character, columns: key character\n"
-                 f"layer {layer} head {head} is the most previous-character-like: {torch.diagonal(p, -1).mean():.0%} "
-                 "of its attention here on the character just before", fontsize=11)
+                 "head on a validation passage; rows: query character, columns: key character\nlayer "
+                 f"{layer} head {head} is the most previous-character-like: {share:.0%} of its attention here on the "
+                 "character just before", fontsize=11)
     return fig
 
 
 # ----------------------------------------------------------------------------- on both cores
-# A model this small splits badly over threads: on the 2-core machine this was written on, a training step
-# took 26 ms on two threads and 38 ms on one, while two processes of one thread each, side by side, took
-# 37 ms a step each: 1.4 times the work done per second. So every model trains in a worker process of
-# concurrent.futures.ProcessPoolExecutor on exactly one thread, WORKERS at a time. A model's numbers depend
-# only on its task (configuration, seed, steps), never on which worker ran it or how many workers there are.
-WORKER = {}   # in a worker process: the data, and tick(), which counts a training step for the progress line
+# A model this small splits badly over threads. On the 2-core AMD EPYC a training step of the MHA took 37 ms on
+# one thread, 26 ms on two, and 42 ms in each of two one-thread processes side by side: 48 steps a second, against
+# 39 and 27. So models train in WORKERS one-thread processes (a ProcessPoolExecutor, in the plumbing below); a
+# model's numbers depend only on its task, never on which worker ran it or how many there are.
+WORKER = {}   # in a worker process: the data
+
+
+def start_worker(parent):
+    """Each worker, once, before its first task: one thread, the data, and a watch on its parent."""
+    torch.set_num_threads(1)
+    threading.Thread(target=exit_with_parent, args=(parent,), daemon=True).start()
+    WORKER["data"] = Data(load_text())
+
+
+def exit_with_parent(parent):
+    """End this worker within half a second of its parent's end, however the parent ended (kill -9 runs none
+    of its code): the system then gives the worker another parent."""
+    while os.getppid() == parent:
+        time.sleep(0.5)
+    os._exit(1)
 
 
 # ----------------------------------------------------------------------------- main
-def train_everything(args, workers):
-    """The data, then parts A and B (and D's evaluations, beside B) on the workers, each table printed as
-    soon as it is known."""
+def train_everything(args, run):
+    """The data, then A and B (and D's evaluations, beside B) on the workers, each table printed when known."""
     text = load_text()
     data = Data(text)
-    unigram, bigram = baselines(data)
-    print(f"What GQA and MQA cost in quality: a character-level LM, d={D_MODEL}, {N_HEADS} query heads of "
-          f"width {D_MODEL // N_HEADS}, {N_LAYERS} layers, T={CONTEXT}, batch {BATCH}")
-    print(f"data: {describe_text(text)}")
-    print(f"      train {len(data.train):,} characters, validation {len(data.val):,} (the last "
-          f"{VAL_FRACTION:.0%}); the loss is measured on {EVAL_WINDOWS} windows = {EVAL_WINDOWS * CONTEXT:,} "
-          "characters")
-    print(f"      validation bits/char of a unigram model {unigram:.2f}, of a bigram model {bigram:.2f}")
-    print(f"torch {torch.__version__}, {WORKERS} worker process{'es' * (WORKERS > 1)} of 1 thread each: the same "
-          "seeds give the same numbers to the bit, whatever the number of workers")
-    sys.stdout.flush()
-
-    scratch = run_from_scratch(data, args.seeds, args.steps, workers)
+    digest = hashlib.sha256(text.encode("utf-8")).hexdigest()[:12]     # another Python has another text
+    print(f"What GQA and MQA cost in quality: a character-level LM, d={D_MODEL}, {N_HEADS} query heads of width "
+          f"{D_MODEL // N_HEADS}, {N_LAYERS} layers, T={CONTEXT}, batch {BATCH}\ndata: pydoc_data.topics of Python "
+          f"{sys.version.split()[0]}: {len(text):,} characters, {len(data.chars)} distinct, sha256 {digest}\n      "
+          f"train {len(data.train):,} characters, validation {len(data.val):,} (the last {VAL_FRACTION:.0%}); the "
+          f"loss is measured on {EVAL_WINDOWS} windows = {EVAL_WINDOWS * CONTEXT:,} characters\ntorch "
+          f"{torch.__version__}, {WORKERS} worker process{'es' * (WORKERS > 1)} of 1 thread each: the same seeds give "
+          "the same numbers to the bit, whatever the number of workers", flush=True)
+    scratch = run_from_scratch(args.seeds, args.steps, run)
     print_table_a(scratch, args.steps)
     sys.stdout.flush()
-
-    curves, ablation = run_conversion(scratch, args.steps, workers, args.seeds[0])
+    curves, ablation = run_conversion(scratch, args.steps, run, args.seeds[:GQA_SEEDS])
     print_table_b(curves, scratch, args.steps)
-    return scratch, curves, ablation, data
+    return scratch, ablation, data
 
 
 def main(argv=None):
     args = parse_args(argv)        # a bad flag, knob or --out-dir ends here, in one line (exit code 2)
     torch.set_num_threads(1)                               # tables C and D and the maps, like every model
-    models = len(args.seeds) * len(CONFIGS)
-    conversions = len(args.seeds) * (1 + (len(CONFIGS) - 1) * len(POOLS))
-    progress = Progress(models * args.steps + conversions * uptrain_steps(args.steps)[-1])
+    if args.quick:
+        print(f"--quick: a smoke run for trying an edit ({args.steps} steps, seeds "
+              f"{' '.join(map(str, args.seeds))}); it resolves nothing")
+    further = sum(uptrain_steps(args.steps, p) for n in CONFIGS for p in (["none"] if n == "MHA" else POOLS))
+    total = sum(len(seeds_of(n, args.seeds)) for n in CONFIGS) * args.steps + len(args.seeds[:GQA_SEEDS]) * further
+    estimate = total * STEP_SECONDS / WORKERS + 30        # 30 s to start, evaluate and draw
+    print(f"This run: {total:,} training steps on {WORKERS} worker{'s' * (WORKERS > 1)}, about {estimate / 60:.1f} min "
+          "on a quiet 2-core AMD EPYC; the progress line on stderr tells how long here", flush=True)
+    start = time.perf_counter()
     try:
-        with Workers(progress) as workers:
-            scratch, curves, ablation, data = train_everything(args, workers)
+        with workers(total) as run:
+            scratch, ablation, data = train_everything(args, run)
     except concurrent.futures.process.BrokenProcessPool:
-        progress.clear()
-        print(f"quality.py: error: a worker process stopped (exit code {workers.exit_code()}: killed, or out of "
-              "memory?) before its models were trained; nothing was written", file=sys.stderr)
+        print("quality.py: error: a worker process stopped (killed, or out of memory?) before its models were "
+              "trained; nothing was written", file=sys.stderr)
         return 1
-
-    trained = scratch[args.seeds[0]]["MHA"][0]
+    seed, trained = args.seeds[0], scratch["MHA"][args.seeds[0]][0]
     roles, chance = head_roles(trained, data)
-    best = print_table_c(roles, chance, args.seeds[0])
-    print_table_d(ablation, roles, chance, args.seeds[0])
-    figures = [plot_quality(scratch, curves, args.steps, ablation, roles, chance),
-               plot_trained_maps(trained, data, args.seeds[0], args.steps, best)]
-    pngs = {name: mha.png_bytes(fig) for name, fig in zip(FIGURES, figures)}
-    if not mha.write_figures("quality.py", args.out_dir, pngs):
+    best = print_table_c(roles, chance, seed)
+    print_table_d(ablation, roles, chance, seed)
+    figures = [plot_quality(scratch, args.steps, ablation, roles, chance, seed),
+               plot_trained_maps(trained, data, seed, args.steps, best)]
+    if not mha.write_figures("quality.py", args.out_dir, {n: mha.png_bytes(f) for n, f in zip(FIGURES, figures)}):
         return 1
-    print(f"\nFigures written to {mha.shown_path(args.out_dir)}: {', '.join(FIGURES)}")
-    print(progress.summary(*workers.steps))
+    print(f"\nFigures written to {os.path.join(os.path.relpath(args.out_dir), '')}: {', '.join(FIGURES)}")
+    wall = time.perf_counter() - start
+    print(f"time: {wall / 60:.1f} min (estimated {estimate / 60:.1f}), {WORKERS} worker{'s' * (WORKERS > 1)} of 1 "
+          f"thread: {wall * WORKERS / total * 1e3:.0f} ms a training step in each, all else included")
     return 0
 
 
 # ----------------------------------------------------------------------------- plumbing (not the lesson)
-def whole_positive(text):
-    """argparse type for --steps: a positive whole number, or one line naming the value and the rule."""
+@contextlib.contextmanager
+def workers(total):
+    """run(part, calls): fn(*args) for every (fn, args, steps) in calls on WORKERS processes, the results in
+    the order of calls, a progress line on stderr as each ends. A failing task or Ctrl-C stops every worker at
+    once, busy or not (the pool itself would wait for the running tasks to end)."""
+    context = multiprocessing.get_context("spawn")        # a fresh interpreter: no threads or locks inherited
+    pool = concurrent.futures.ProcessPoolExecutor(WORKERS, context, initializer=start_worker, initargs=(os.getpid(),))
+    start, done, shown = time.perf_counter(), 0, (0.0, 0)
+
+    def run(part, calls):
+        nonlocal done, shown
+        ctrl_c = signal.signal(signal.SIGINT, signal.SIG_IGN)   # workers start during submit: born deaf to
+        try:                                                     # Ctrl-C, which the parent takes for them
+            futures = {pool.submit(fn, *args): steps for fn, args, steps in calls}
+        finally:
+            signal.signal(signal.SIGINT, ctrl_c)
+        for future in concurrent.futures.as_completed(futures):
+            future.result()                              # a task's exception, raised here at once
+            done, seconds = done + futures[future], time.perf_counter() - start
+            if seconds - shown[0] > 10 or shown[1] < done == total:   # a line at most every 10 s, and the last
+                shown = seconds, done
+                print(f"{part}: {done:,} of {total:,} training steps, {clock(seconds)} so far, "
+                      f"~{clock(seconds / max(done, 1) * (total - done))} left", file=sys.stderr, flush=True)
+        return [future.result() for future in futures]
+
     try:
-        value = int(text)
-    except ValueError:
-        value = None
-    if value is None or not 1 <= value <= 100_000:      # 100,000 steps: about an hour for each model
-        raise argparse.ArgumentTypeError(f"{text!r} must be a positive whole number, at most 100,000")
-    return value
-
-
-def seed_value(text):
-    try:
-        value = int(text)
-    except ValueError:
-        value = None
-    if value is None or not 0 <= value < 2**32:
-        raise argparse.ArgumentTypeError(f"{text!r} must be a whole number from 0 to 2**32 - 1")
-    return value
-
-
-def parse_args(argv=None):
-    shares = " and ".join(f"{f * 100:g}%%" for f in UPTRAIN if isinstance(f, (int, float)))   # %% is argparse's %
-    parser = mha.Parser(prog="quality.py", description="Train a tiny character-level LM with MHA, GQA and MQA and "
-                        "measure what sharing K/V heads costs in validation loss.",
-                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--steps", type=whole_positive, default=STEPS,
-                        help="training steps of each from-scratch model; further training after conversion is "
-                             f"{shares or 'none'} of it")
-    parser.add_argument("--seeds", type=seed_value, nargs="+", default=list(SEEDS),
-                        help="one or more seeds: each gives an initialisation and a data order")
-    parser.add_argument("--out-dir", default=OUT_DIR, help="folder the two figures are written to")
-    args = parser.parse_args(argv)
-    if len(set(args.seeds)) != len(args.seeds):
-        parser.error(f"--seeds {' '.join(map(str, args.seeds))} must be different from each other")
-    if CONFIGS.get("MHA") != N_HEADS or any(not isinstance(kv, int) or kv < 1 or N_HEADS % kv for kv in CONFIGS.values()):
-        parser.error(f"CONFIGS={CONFIGS} (at the top of quality.py) must map 'MHA' to N_HEADS={N_HEADS} and every name "
-                     "to a positive divisor of it")
-    fractions = UPTRAIN if isinstance(UPTRAIN, tuple) else ()
-    if len(fractions) != 2 or not all(isinstance(f, (int, float)) and 0 < f <= 1 for f in fractions) \
-            or fractions[0] >= fractions[1]:
-        parser.error(f"UPTRAIN={UPTRAIN!r} (at the top of quality.py) must be two fractions of the steps, "
-                     "growing, in (0, 1]")
-    if isinstance(WORKERS, bool) or not isinstance(WORKERS, int) or WORKERS < 1:
-        parser.error(f"WORKERS={WORKERS!r} (at the top of quality.py) must be a whole number of processes, at least 1")
-    problem = mha.out_dir_problem(args.out_dir, FIGURES)
-    if problem:
-        parser.error(problem)
-    return args
-
-
-class Progress:
-    """One line on stderr: which part trains, its steps done of all, the time so far and left. On a terminal
-    it is rewritten in place; otherwise (a pipe, a file) a plain line is written every PLAIN_EVERY seconds."""
-
-    def __init__(self, total_steps, stream=sys.stderr):
-        self.total, self.stream, self.tty = total_steps, stream, stream.isatty()
-        self.start = self.last = time.perf_counter()
-        self.width = 0
-
-    def show(self, part, done):
-        now = time.perf_counter()
-        if now - self.last < (0.5 if self.tty else PLAIN_EVERY):
-            return
-        self.last = now
-        left = (now - self.start) / max(done, 1) * (self.total - done)
-        line = (f"{part}: {done:,} of {self.total:,} training steps, elapsed {clock(now - self.start)}, "
-                f"left ~{clock(left)}")
-        self.stream.write("\r" + line.ljust(self.width) if self.tty else line + "\n")
-        self.width = len(line)
-        self.stream.flush()
-
-    def clear(self):
-        """Remove the rewritten line before a table is printed to the same terminal."""
-        if self.tty and self.width:
-            self.stream.write("\r" + " " * self.width + "\r")
-            self.stream.flush()
-            self.width = 0
-
-    def summary(self, steps, seconds):
-        """The wall time and the mean time of a training step: a busy machine shows here."""
-        return (f"time: {(time.perf_counter() - self.start) / 60:.1f} min, {WORKERS} worker{'s' * (WORKERS > 1)} "
-                f"of 1 thread; a training step took {seconds / max(steps, 1) * 1e3:.0f} ms on average")
+        yield run
+    except BaseException:
+        for p in multiprocessing.active_children():
+            p.terminate()
+        raise
+    finally:
+        pool.shutdown(cancel_futures=True)
 
 
 def clock(seconds):
@@ -944,83 +714,36 @@ def clock(seconds):
     return f"{int(seconds) // 60}:{int(seconds) % 60:02d}"
 
 
-class Workers:
-    """WORKERS processes of a ProcessPoolExecutor, with the three things the standard pool leaves to us:
-    the progress line, stopping at once (a failing task, Ctrl-C: the running tasks are not waited for), and
-    which exit code a dead worker had (BrokenProcessPool does not say)."""
-
-    def __init__(self, progress):
-        context = multiprocessing.get_context("spawn")        # a fresh interpreter: no threads or locks inherited
-        self.steps = context.Array("d", 2)                    # training steps done by all workers, their seconds
-        self.before = set(multiprocessing.active_children())
-        self.pool = concurrent.futures.ProcessPoolExecutor(WORKERS, context, initializer=start_worker,
-                                                           initargs=(os.getpid(), self.steps))
-        self.progress, self.processes = progress, []
-
-    def run(self, part, calls):
-        """fn(*args) for every (fn, args) in calls, on the workers; the results in the order of calls."""
-        ctrl_c = signal.signal(signal.SIGINT, signal.SIG_IGN)   # the pool starts its workers as tasks arrive:
-        try:                                                     # born ignoring Ctrl-C, even while they start
-            futures = [self.pool.submit(fn, *args) for fn, args in calls]
-        finally:
-            signal.signal(signal.SIGINT, ctrl_c)
-        self.processes = list(set(multiprocessing.active_children()) - self.before)
-        waiting = futures
-        while waiting:
-            done, waiting = concurrent.futures.wait(waiting, 0.5, concurrent.futures.FIRST_EXCEPTION)
-            for future in done:
-                future.result()                # a worker's exception, raised here with its traceback, at once
-            self.progress.show(part, int(self.steps[0]))
-        self.progress.clear()
-        return [future.result() for future in futures]
-
-    def exit_code(self):
-        """The exit code of the worker that died. The pool then stops the others with SIGTERM, so theirs is
-        -15: the one that is not is the one that died first (-15 too if it was itself stopped by SIGTERM)."""
-        codes = [p.exitcode for p in self.processes]
-        return next((c for c in codes if c != -signal.SIGTERM), -signal.SIGTERM)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, kind, *exc):
-        if kind is not None:                                  # failed or interrupted: stop them, busy or not
-            for p in self.processes:
-                p.terminate()
-        self.progress.clear()
-        self.pool.shutdown(cancel_futures=True)
-
-
-def start_worker(parent, steps):
-    """Each worker process, once, before its first task: it dies with the parent, uses one thread, and
-    reads the data itself."""
-    die_with_parent(parent)
-    torch.set_num_threads(1)
-    WORKER["data"] = Data(load_text())
-
-    def tick(seconds):
-        with steps.get_lock():
-            steps[0] += 1
-            steps[1] += seconds
-    WORKER["tick"] = tick
-
-
-def die_with_parent(parent):
-    """End this process when the parent process dies, however it dies (a SIGKILL runs none of its code).
-
-    On Linux the kernel does it: prctl(PR_SET_PDEATHSIG, SIGKILL). Elsewhere a thread checks every second
-    whether the parent is still the one that started us. Either way, a parent already gone ends us now.
-    """
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL(None).prctl(1, signal.SIGKILL)          # 1 = PR_SET_PDEATHSIG, from <linux/prctl.h>
-    else:
-        def watch():
-            while os.getppid() == parent:
-                time.sleep(1.0)
-            os._exit(1)
-        threading.Thread(target=watch, daemon=True).start()
-    if os.getppid() != parent:
-        os._exit(1)
+def parse_args(argv=None):
+    parser = mha.Parser(prog="quality.py", description="Train a tiny character-level LM with MHA, GQA and MQA and "
+                        "measure what sharing K/V heads costs in validation loss.")
+    parser.add_argument("--steps", type=int, help=f"training steps of each from-scratch model (default: {STEPS}; "
+                        f"{QUICK_STEPS} with --quick); conversion trains on a fraction UPTRAIN={UPTRAIN!r} of it")
+    parser.add_argument("--seeds", type=int, nargs="+", help=f"seeds of MHA and MQA; the others take the first "
+                        f"{GQA_SEEDS} (default: {' '.join(map(str, SEEDS))}; {' '.join(map(str, QUICK_SEEDS))} with "
+                        "--quick)")
+    parser.add_argument("--quick", action="store_true", help="the smoke run for trying an edit: it resolves nothing")
+    parser.add_argument("--out-dir", default=OUT_DIR, help="where the figures go (default: figures/)")
+    args = parser.parse_args(argv)
+    args.steps = (QUICK_STEPS if args.quick else STEPS) if args.steps is None else args.steps
+    args.seeds = args.seeds or list(QUICK_SEEDS if args.quick else SEEDS)
+    if not 1 <= args.steps <= 100_000:                    # 100,000 steps: about an hour for each model
+        parser.error(f"--steps {args.steps} must be a positive whole number, at most 100,000")
+    if not all(0 <= seed < 2**32 for seed in args.seeds) or len(set(args.seeds)) != len(args.seeds):
+        parser.error(f"--seeds {' '.join(map(str, args.seeds))} must be whole numbers from 0 to 2**32 - 1, each "
+                     "different")
+    if CONFIGS.get("MHA") != N_HEADS or any(not isinstance(kv, int) or kv < 1 or N_HEADS % kv
+                                            for kv in CONFIGS.values()):
+        parser.error(f"CONFIGS={CONFIGS} (at the top of quality.py) must map 'MHA' to N_HEADS={N_HEADS} and every name "
+                     "to a positive divisor of it")
+    if isinstance(UPTRAIN, bool) or not isinstance(UPTRAIN, (int, float)) or not 0 < UPTRAIN <= 1:
+        parser.error(f"UPTRAIN={UPTRAIN!r} (at the top of quality.py) must be a fraction of the steps, in (0, 1]")
+    for name, value in (("WORKERS", WORKERS), ("GQA_SEEDS", GQA_SEEDS)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            parser.error(f"{name}={value!r} (at the top of quality.py) must be a whole number, at least 1")
+    if problem := mha.out_dir_problem(args.out_dir, FIGURES):
+        parser.error(problem)
+    return args
 
 
 if __name__ == "__main__":
