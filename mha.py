@@ -958,23 +958,33 @@ def cores_elsewhere(start):
 
 
 def run_as_script(main):
-    """sys.exit(main()), where a reader that goes away (python mha.py | head), Ctrl-C and running out of
-    memory each end in one line, never a traceback."""
+    """sys.exit(main()), where a closed, full or vanished standard output (python mha.py | head), Ctrl-C and
+    running out of memory each end in one line, never a traceback."""
+    import errno
     prog = os.path.basename(sys.argv[0])
+    if sys.stdout is None:                                 # python mha.py >&-
+        print(f"{prog}: error: standard output is closed", file=sys.stderr)
+        sys.exit(1)
     try:
         code = main()
         sys.stdout.flush()
     except BrokenPipeError:                                # the reader went away: nothing more to say
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())   # so that the exit's flush is quiet
         code = 1
     except KeyboardInterrupt:                              # Ctrl-C: one line and the shell's code for it
         print(f"\n{prog}: interrupted", file=sys.stderr)
         code = 130
+    except OSError as e:                                   # python mha.py > /dev/full
+        if e.filename is not None or e.errno not in (errno.ENOSPC, errno.EIO):
+            raise
+        print(f"{prog}: error: cannot write to standard output: {e.strerror}", file=sys.stderr)
+        code = 1
     except (MemoryError, RuntimeError) as e:               # PyTorch's words: "can't allocate memory"
         if not isinstance(e, MemoryError) and "allocate memory" not in str(e):
             raise
         print(f"{prog}: error: out of memory; make the knobs smaller", file=sys.stderr)
         code = 1
+    if code == 1:                                          # so that the exit's own flush of stdout is quiet
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     sys.exit(code)
 
 

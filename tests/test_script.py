@@ -357,3 +357,20 @@ def test_try_a_longer_context(capsys, tmp_path):
     out = capsys.readouterr().out
     assert "MHA's 4,294,967,296 bytes are 4.29 GB but 4.00 GiB" in out
     assert "Llama-2-7B               32   32   32  128  MHA        4.29 GB         9" in out
+
+
+@pytest.mark.parametrize("stdout, words", [(None, "standard output is closed"),
+                                           ("/dev/full", "cannot write to standard output: No space left on device")])
+def test_a_closed_or_full_stdout_is_one_line(tmp_path, stdout, words):
+    """python mha.py >&- and python mha.py > /dev/full: one line on stderr, exit 1, no traceback."""
+    if stdout and not os.path.exists(stdout):
+        pytest.skip(f"no {stdout} here")
+    out = open(stdout, "w") if stdout else None          # noqa: SIM115 (closed below)
+    try:
+        r = subprocess.run([sys.executable, SCRIPT, "--out-dir", str(tmp_path)], check=False, text=True,
+                           stdout=out if out else subprocess.DEVNULL, stderr=subprocess.PIPE, timeout=300,
+                           preexec_fn=None if out else lambda: os.close(1))
+    finally:
+        if out:
+            out.close()
+    assert r.returncode == 1 and r.stderr == f"mha.py: error: {words}\n", r.stderr
