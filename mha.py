@@ -938,15 +938,15 @@ def machine_name():
 
 
 def cpu_seconds():
-    """(wall clock, CPU seconds the whole machine was busy, CPU seconds of this process), from /proc/stat
-    (Linux; time stolen by the hypervisor counts as busy), for cores_elsewhere(); None elsewhere."""
+    """(wall clock, CPU seconds the whole machine was busy, CPU seconds of this process and its children),
+    from /proc/stat (Linux; time stolen by the hypervisor counts as busy), for cores_elsewhere(); None elsewhere."""
     if not os.path.exists("/proc/stat"):
         return None
     with open("/proc/stat") as f:
         user, nice, system, _idle, _iowait, irq, softirq, steal = map(int, f.readline().split()[1:9])
     own = os.times()
     busy = (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
-    return time.perf_counter(), busy, own.user + own.system
+    return time.perf_counter(), busy, own.user + own.system + own.children_user + own.children_system
 
 
 def cores_elsewhere(start):
@@ -965,11 +965,12 @@ def run_as_script(main):
     if sys.stdout is None:                                 # python mha.py >&-
         print(f"{prog}: error: standard output is closed", file=sys.stderr)
         sys.exit(1)
+    stdout_gone = False
     try:
         code = main()
         sys.stdout.flush()
     except BrokenPipeError:                                # the reader went away: nothing more to say
-        code = 1
+        code, stdout_gone = 1, True
     except KeyboardInterrupt:                              # Ctrl-C: one line and the shell's code for it
         print(f"\n{prog}: interrupted", file=sys.stderr)
         code = 130
@@ -977,13 +978,13 @@ def run_as_script(main):
         if e.filename is not None or e.errno not in (errno.ENOSPC, errno.EIO):
             raise
         print(f"{prog}: error: cannot write to standard output: {e.strerror}", file=sys.stderr)
-        code = 1
+        code, stdout_gone = 1, True
     except (MemoryError, RuntimeError) as e:               # PyTorch's words: "can't allocate memory"
         if not isinstance(e, MemoryError) and "allocate memory" not in str(e):
             raise
         print(f"{prog}: error: out of memory; make the knobs smaller", file=sys.stderr)
         code = 1
-    if code == 1:                                          # so that the exit's own flush of stdout is quiet
+    if stdout_gone:                                        # so that the exit's own flush of stdout is quiet
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     sys.exit(code)
 
