@@ -108,7 +108,8 @@ def attend(q, k, v):
     B, h, T, dh = q.shape
     kv, S = k.shape[1], k.shape[2]
     g = h // kv
-    # Index b*kv + j of the first dimension is group j of sequence b. Its row r is query head j*g + r // T at
+    # A reshape keeps the order of (B, h, T, dh), so a sequence's h*T rows split into kv blocks of g*T: index
+    # b*kv + j of the first dimension is group j of sequence b. Its row r is query head j*g + r // T at
     # token r % T. E.g. h=8, kv=2 (g=4), T=3: group 1 holds heads 4..7, its row 5 is head 4 + 5 // 3 = 5 at
     # token 5 % 3 = 2. Scaling q (not the scores) by 1 / sqrt(dh) keeps the scores' spread near 1 whatever
     # dh; it is PyTorch's order, needed for the same last bit.
@@ -126,8 +127,8 @@ def attend(q, k, v):
 def attend_fused(q, k, v):
     """The same attention in PyTorch's one fused call, the one nn.MultiheadAttention runs by default.
 
-    Faster, since it never stores p; it rounds differently from attend() in the last bit. A decode step
-    (T = 1) needs no mask: a single new token sees every key.
+    Faster, since it never stores p; it scales by 1 / sqrt(dh) itself and rounds differently from attend() in
+    the last bit. A decode step (T = 1) needs no mask: a single new token sees every key.
     """
     B, h, T, dh = q.shape
     kv, S = k.shape[1], k.shape[2]
@@ -313,7 +314,8 @@ def random_module(n_kv_heads, seed):
 def run_checks(n_kv_heads, seed):
     """The evidence that the module is right. Returns True if every check passes."""
     print(f"1. Checks against PyTorch (float32, B={BATCH}, T={SEQ_LEN}, d={D_MODEL}, h={N_HEADS})")
-    ref = random_module(N_HEADS, seed).to_torch()          # an nn.MultiheadAttention with random biases
+    ref = random_module(N_HEADS, seed).to_torch()          # an nn.MultiheadAttention with random biases: its
+    #                                                        own forward computes every reference below
     x = torch.randn(BATCH, SEQ_LEN, D_MODEL)               # (B, T, d)
     copy = CausalMHA.from_torch(ref)
     y_diff, w_diff = max_diff_vs_torch(copy, x, ref)
