@@ -435,13 +435,11 @@ def main(argv=None):
     problems = timing_contradictions(timing)
     print_decode_table(timing, problems)
 
-    figures = {"attention_maps.png": plot_attention_maps(kv, args.seed),
-               "kv_cache_size.png": plot_cache_sizes(),
-               "head_layout.png": plot_head_layout(kv),
-               "decode_time.png": plot_decode_time(timing, problems)}
-    if not write_figures("mha.py", args.out_dir, {name: png_bytes(fig) for name, fig in figures.items()}):
+    figures = [plot_attention_maps(kv, args.seed), plot_cache_sizes(), plot_head_layout(kv),
+               plot_decode_time(timing, problems)]                  # in the order of FIGURES, their file names
+    if not write_figures("mha.py", args.out_dir, {name: png_bytes(fig) for name, fig in zip(FIGURES, figures)}):
         return 1
-    print(f"\nFigures written to {os.path.join(os.path.relpath(args.out_dir), '')}: {', '.join(figures)}")
+    print(f"\nFigures written to {os.path.join(os.path.relpath(args.out_dir), '')}: {', '.join(FIGURES)}")
     print(f"Now change N_KV_HEADS (or pass --n-kv-heads) and run again. All checks: {'OK' if ok else 'FAIL'}")
     return 0 if ok else 1
 
@@ -778,6 +776,13 @@ def whole_number(name, value):
     return value
 
 
+def check_counts(counts):
+    """Each knob of [(name, value, least)] a whole number of at least `least`, else one sentence naming it."""
+    for name, value, least in counts:
+        if whole_number(name, value) < least:
+            raise ValueError(f"{name}={value} must be at least {least}")
+
+
 def check_sizes(d_model, n_heads, n_kv_heads):
     """CausalMHA's sizes: whole numbers, d_model a multiple of n_heads, n_kv_heads a divisor of n_heads."""
     for name, value in (("d_model", d_model), ("n_heads", n_heads), ("n_kv_heads", n_kv_heads)):
@@ -816,14 +821,19 @@ def check_call(attn, x, need_weights, cache, fused):
     if not isinstance(cache, KVCache):
         raise TypeError(f"cache must be a KVCache, as new_cache() makes, got {type(cache).__name__}")
     check_no_autograd([x, *attn.parameters()])
-    B, T, _ = x.shape
-    want = (B, attn.n_kv_heads, cache.k.shape[2], attn.d_head)   # (B, kv, max_len, dh)
-    for name, t in (("K", cache.k), ("V", cache.v)):
+    want = (x.shape[0], attn.n_kv_heads, cache.k.shape[2], attn.d_head)   # (B, kv, max_len, dh)
+    check_cache_fits(x, {"K": (cache.k, want), "V": (cache.v, want)}, cache.length, cache.k.shape[2])
+
+
+def check_cache_fits(x, tensors, length, max_len):
+    """Each of a cache's {name: (tensor, the shape this call needs)} in x's dtype and on its device, and room
+    for x's T tokens after `length` of max_len; else one sentence. For mha's KVCache and mla's LatentCache."""
+    for name, (t, want) in tensors.items():
         if tuple(t.shape) != want or t.dtype != x.dtype or t.device != x.device:
-            raise ValueError(f"the cache holds {name} of shape {tuple(t.shape)} in {t.dtype} on {t.device}; this "
-                             f"call needs {want} in {x.dtype} on {x.device}: make it with new_cache()")
-    if not 0 <= cache.length <= want[2] - T:
-        raise ValueError(f"the cache holds {cache.length} of its {want[2]} tokens: {T} more do not fit")
+            raise ValueError(f"the cache holds its {name} as {tuple(t.shape)} in {t.dtype} on {t.device}; this call "
+                             f"needs {want} in {x.dtype} on {x.device}: make it with new_cache()")
+    if not 0 <= length <= max_len - x.shape[1]:
+        raise ValueError(f"the cache holds {length} of its {max_len} tokens: {x.shape[1]} more do not fit")
 
 
 def check_cache_size(batch, max_len):
@@ -866,13 +876,10 @@ def parse_args(argv=None):
     parser.add_argument("--out-dir", default=OUT_DIR, help="folder the figures are written to")
     parser.add_argument("--seed", type=int, default=SEED, help="seed for every random number")
     args = parser.parse_args(argv)
-    counts = {"CACHE_TOKENS": CACHE_TOKENS, "CACHE_BYTES_PER_ELEM": CACHE_BYTES_PER_ELEM,
-              **{f"DECODE_CONTEXTS[{i}]": S for i, S in enumerate(DECODE_CONTEXTS)}}
     try:
         check_sizes(D_MODEL, N_HEADS, args.n_kv_heads)
-        for name, value in counts.items():
-            if whole_number(name, value) < 1:
-                raise ValueError(f"{name}={value} must be at least 1")
+        check_counts([("CACHE_TOKENS", CACHE_TOKENS, 1), ("CACHE_BYTES_PER_ELEM", CACHE_BYTES_PER_ELEM, 1),
+                      *((f"DECODE_CONTEXTS[{i}]", S, 1) for i, S in enumerate(DECODE_CONTEXTS))])
     except (TypeError, ValueError) as e:
         parser.error(str(e))
     if not DECODE_CONTEXTS:

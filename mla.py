@@ -191,7 +191,7 @@ class LatentAttention(nn.Module):
 
     def new_cache(self, batch, max_len):
         """An empty LatentCache for `batch` sequences of up to `max_len` tokens, in this module's dtype."""
-        check_cache_size(batch, max_len)                   # (B, max_len, dc) and (B, max_len, dr)
+        mha.check_cache_size(batch, max_len)               # (B, max_len, dc) and (B, max_len, dr)
         return LatentCache(*(torch.zeros(batch, max_len, width, dtype=self.w_dkv.weight.dtype)
                              for width in (self.d_latent, self.d_rope)))
 
@@ -454,19 +454,9 @@ def check_call(attn, x, cache):
     if not isinstance(cache, LatentCache):
         raise TypeError(f"cache must be a LatentCache, as new_cache() makes, got {type(cache).__name__}")
     mha.check_no_autograd([x, *attn.parameters()])
-    (B, T, _), max_len = x.shape, cache.c.shape[1]
-    for name, t, want in (("latent c", cache.c, (B, max_len, attn.d_latent)),
-                          ("RoPE key", cache.k_rope, (B, max_len, attn.d_rope))):
-        if tuple(t.shape) != want or t.dtype != x.dtype or t.device != x.device:
-            raise ValueError(f"the cache holds its {name} as {tuple(t.shape)} in {t.dtype} on {t.device}; this call "
-                             f"needs {want} in {x.dtype} on {x.device}: make it with new_cache()")
-    if not 0 <= cache.length <= max_len - T:
-        raise ValueError(f"the cache holds {cache.length} of its {max_len} tokens: {T} more do not fit")
-
-
-def check_cache_size(batch, max_len):
-    if mha.whole_number("batch", batch) < 1 or mha.whole_number("max_len", max_len) < 1:
-        raise ValueError(f"a cache needs batch >= 1 and max_len >= 1, got batch={batch}, max_len={max_len}")
+    B, max_len = x.shape[0], cache.c.shape[1]
+    mha.check_cache_fits(x, {"latent c": (cache.c, (B, max_len, attn.d_latent)),
+                             "RoPE key": (cache.k_rope, (B, max_len, attn.d_rope))}, cache.length, max_len)
 
 
 def parse_args(argv=None):
@@ -482,9 +472,7 @@ def parse_args(argv=None):
                                                       enumerate(DECODE_CONTEXTS))]
     try:
         check_sizes(D_MODEL, N_HEADS, D_HEAD, D_LATENT, D_ROPE)
-        for name, value, least in counts:
-            if mha.whole_number(name, value) < least:
-                raise ValueError(f"{name}={value} must be at least {least}")
+        mha.check_counts(counts)
         if any(h % GQA_KV_HEADS for _, h, _, _, _ in DEEPSEEK.values()):
             raise ValueError(f"GQA_KV_HEADS={GQA_KV_HEADS} must divide the heads of every model in DEEPSEEK")
     except (TypeError, ValueError) as e:

@@ -200,7 +200,7 @@ def test_a_cache_that_does_not_fit_the_call_is_refused(cache, words):
 @torch.no_grad()
 def test_a_hand_built_cache_with_a_wrong_v_is_refused_before_k_is_written():
     cache = mha.KVCache(torch.zeros(1, 2, 8, 16), torch.zeros(1, 2, 8, 8))
-    refused_without_a_write(module(8, 2), cache, torch.randn(1, 2, 128), ValueError, ["V of shape (1, 2, 8, 8)"])
+    refused_without_a_write(module(8, 2), cache, torch.randn(1, 2, 128), ValueError, ["V as (1, 2, 8, 8)"])
 
 
 @pytest.mark.parametrize("cache, words", [("c", ["KVCache", "str"]), ((1, 2), ["KVCache", "tuple"])])
