@@ -136,9 +136,19 @@ def weight_bytes(attn):
     return sum(p.nbytes for p in attn.parameters())
 
 
+def products(q, k, v):
+    """mha.attend's two matrix products alone, q k^T and p v (p = the raw scores), without its scaling, mask
+    and softmax: how much of a decode step they take shows where the step's time goes."""
+    B, h, T, dh = q.shape
+    kv, S = k.shape[1], k.shape[2]
+    scores = torch.bmm(q.reshape(B * kv, h // kv * T, dh), k.reshape(B * kv, S, dh).transpose(1, 2))
+    return torch.bmm(scores, v.reshape(B * kv, S, dh))     # (B*kv, g*T, S) @ (B*kv, S, dh)
+
+
 def decode_times(S, h=32, dh=128, rounds=ROUNDS):
-    """Per-round seconds at S cached tokens, {kind: [...]}: whole steps, attention alone, a read of each
-    attention's K and V, and MQA's attention with its K/V copied to h heads; and the matmul's FLOP/s."""
+    """Per-round seconds at S cached tokens, {kind: [...]}: whole steps, attention alone, its two products
+    alone, a read of each attention's K and V, and MQA's attention with its K/V copied to h heads; and the
+    matmul's FLOP/s."""
     x, q = torch.randn(1, 1, h * dh), torch.randn(1, h, 1, dh)
     modules = {kind: decode_module(kv, S, h * dh, h) for kind, kv in KINDS.items()}
     a, b = torch.randn(mha.MATMUL_N, mha.MATMUL_N), torch.randn(mha.MATMUL_N, mha.MATMUL_N)
@@ -154,7 +164,7 @@ def decode_times(S, h=32, dh=128, rounds=ROUNDS):
     k1, v1 = modules["MQA"][1].k[:, :, :S], modules["MQA"][1].v[:, :, :S]
     copies = torch.empty(2, 1, h, S, dh)       # MQA's K and V copied to h heads: allocated once
 
-    def copied():                              # the counter-example attend_by_copying, minus the allocation
+    def copied():                              # mha.attend_textbook's copies, minus their allocation
         copies[0].copy_(k1.expand(1, h, S, dh))
         copies[1].copy_(v1.expand(1, h, S, dh))
         return torch.nn.functional.scaled_dot_product_attention(q, copies[0], copies[1])
@@ -163,11 +173,13 @@ def decode_times(S, h=32, dh=128, rounds=ROUNDS):
         steps = interleaved([lambda a=a, c=c: step(a, c) for a, c in modules.values()], rounds)
         kvs = [(c.k[:, :, :S], c.v[:, :, :S]) for _, c in modules.values()]
         *timed, matmul = interleaved([lambda k=k, v=v: mha.attend(q, k, v) for k, v in kvs]
+                                     + [lambda k=k, v=v: products(q, k, v) for k, v in kvs]
                                      + [lambda k=k, v=v: read(k, v) for k, v in kvs] + [lambda: a @ b], rounds)
         shared, copy = interleaved([lambda: mha.attend(q, k1, v1), copied], rounds)
-    parts, reads = dict(zip(KINDS, timed[:len(KINDS)])), dict(zip(KINDS, timed[len(KINDS):]))
+    n = len(KINDS)
+    parts, alone, reads = dict(zip(KINDS, timed[:n])), dict(zip(KINDS, timed[n:2 * n])), dict(zip(KINDS, timed[2 * n:]))
     weights = {kind: weight_bytes(attn) for kind, (attn, _) in modules.items()}
-    return dict(zip(KINDS, steps)), parts, reads, shared, copy, 2 * mha.MATMUL_N**3 / min(matmul), weights
+    return dict(zip(KINDS, steps)), parts, alone, reads, shared, copy, 2 * mha.MATMUL_N**3 / min(matmul), weights
 
 
 def check_order(times, what, S):
@@ -182,7 +194,7 @@ def bench_decode(contexts=(4096, 8192), h=32, dh=128):
     print(f"   floor = max(bytes / read rate, FLOPs / matmul rate); goals: each attention reaches {REACH:.0%} "
           f"of its floor,\n   MQA's speed-up over MHA at least {REACH:.0%} of the ratio of their floors")
     for S in contexts:
-        steps, parts, reads, shared, copy, flops, weights = decode_times(S, h, dh)
+        steps, parts, alone, reads, shared, copy, flops, weights = decode_times(S, h, dh)
         check_order(steps, "whole step", S)
         check_order(parts, "attention", S)
         flop = mha.decode_flops(h, dh, S)
@@ -190,7 +202,7 @@ def bench_decode(contexts=(4096, 8192), h=32, dh=128):
         floors, step_floors = {}, {}
         print(f"   {S} cached tokens; matmul {flops / 1e9:.0f} GFLOP/s, MHA's K/V read at {memory / 1e9:.1f} GB/s")
         print(f"   {'':<7}{'step ms':>9}{'floor':>8}{'speedup':>9}{'attention ms':>14}{'read GB/s':>11}{'floor':>8}"
-              f"{'reaches':>9}{'speedup':>9}")
+              f"{'reaches':>9}{'speedup':>9}{'products':>10}")
         for kind, kv in KINDS.items():
             n_bytes = mha.decode_bytes(kv, dh, S)
             ceilings = mha.Ceilings(bandwidth=n_bytes / min(reads[kind]), flops=flops)
@@ -202,7 +214,9 @@ def bench_decode(contexts=(4096, 8192), h=32, dh=128):
             print(f"   {kind:<7}{statistics.median(steps[kind]) * 1e3:>9.2f}{step_floors[kind] * 1e3:>8.2f}"
                   f"{ratio(steps['MHA'], steps[kind], f'whole step {kind}'):>8.1f}x{median * 1e3:>14.3f}"
                   f"{ceilings.bandwidth / 1e9:>11.1f}{floors[kind] * 1e3:>8.3f}{floors[kind] / median:>9.0%}"
-                  f"{ratio(parts['MHA'], parts[kind], f'attention {kind}'):>8.1f}x")
+                  f"{ratio(parts['MHA'], parts[kind], f'attention {kind}'):>8.1f}x"
+                  f"{statistics.median(alone[kind]) / median:>10.0%}")
+        print("   products: the attention's two matrix products alone, q k^T and p v, as a share of it")
         lowest = min(floors[kind] / statistics.median(parts[kind]) for kind in KINDS)
         print(f"   every attention reaches at least {lowest:.0%} of its floor: {verdict(lowest >= REACH)} "
               f"(>= {REACH:.0%})")

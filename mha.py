@@ -3,15 +3,14 @@ Multi-head attention, and its grouped-query (GQA) and multi-query (MQA) variants
 
   1. CausalMHA: causal self-attention with one knob, n_kv_heads. Equal to n_heads it is multi-head attention
      (MHA, Vaswani et al. 2017); a divisor of n_heads is grouped-query attention (GQA, Ainslie et al. 2023),
-     where each group of query heads shares one key/value head; 1 is multi-query attention (MQA, Shazeer
-     2019). The attention is written out, softmax(q k^T / sqrt(dh) + mask) v; PyTorch's fused call is beside it.
-  2. The proof that every reshape is right: with the weights of PyTorch's nn.MultiheadAttention copied in,
+     where each group of query heads shares one key/value head; 1 is multi-query attention (MQA, Shazeer 2019).
+  2. The attention written out twice: the textbook form, softmax(q k^T / sqrt(dh) + mask) v with each K/V head
+     copied to its query heads, then attend(), the same numbers without the copies. PyTorch's fused call too.
+  3. The proof that every reshape is right: with the weights of PyTorch's nn.MultiheadAttention copied in,
      CausalMHA gives the same output to the last bit (max difference exactly 0.0).
-  3. The KV cache in bytes for real models: with many requests, it caps how many a GPU serves at once.
-  4. Decoding with a real cache, token by token, without ever copying K/V back up to n_heads.
-  5. Decode time against the roofline: the least time a step can take, from how fast this machine reads the
-     step's own K and V and multiplies a big matrix, measured in the same run. After main(): the tables,
-     the figures, and the plumbing (bad input ends in one sentence).
+  4. The KV cache in bytes for real models: with many requests, it caps how many a GPU serves at once.
+  5. Decoding with a real cache, and the least time a decode step can take on this machine (the roofline).
+After main(): the tables, the figures and the plumbing (bad input ends in one sentence). A reader can skip it.
 
 Not here: training (quality.py measures what GQA costs; mla.py shows what comes after it), dropout, padding
 masks, cross-attention, positional encodings.
@@ -87,23 +86,36 @@ def causal_mask(T, S, dtype=torch.float32):
     return torch.full((T, S), float("-inf"), dtype=dtype).triu(S - T + 1)
 
 
-def attend(q, k, v):
-    """softmax(q k^T / sqrt(dh) + causal mask) v, written out, each K/V head serving its g query heads.
+def attend_textbook(q, k, v):
+    """softmax(q k^T / sqrt(dh) + causal mask) v, head by head, as textbooks write it; returns o and p.
 
-    Each query scores every key it may see (a dot product), the softmax turns one query's scores into
-    weights that sum to 1, and its output is the weighted average of the values. With g = 1 (MHA) this is
-    the textbook per-head attention, (B*h, T, dh) @ (B*h, dh, S); with g > 1 the g heads of a group share
-    one K/V head, as the picture shows.
-    q: (B, h, T, dh), the queries of the T newest tokens; k, v: (B, kv, S, dh), all keys and values so far,
-    the T newest last. Returns o: (B, h, T, dh) and the attention weights p: (B, h, T, S).
-    Query head i reads K/V head i // g, so consecutive query heads form a group (h=4, kv=2, g=2):
+    q: (B, h, T, dh), the queries of the T newest tokens; k, v: (B, kv, S, dh), the keys and values of all
+    S tokens so far, the T newest last. A query scores every key by a dot product; a sum of dh products grows
+    like sqrt(dh), so dividing by it keeps the softmax from saturating; the softmax turns a query's scores
+    into weights p that sum to 1; its output o is the weighted average of the values, (B, h, T, dh).
+    For GQA each K/V head is first copied to the g query heads of its group (here h=4, kv=2, g=2):
 
         query heads   q0  q1 | q2  q3          the same picture as k.repeat_interleave(g, dim=1),
         K/V heads       k0   |   k1            [k0, k0, k1, k1]; NOT k.repeat(1, g, 1, 1),
                                                [k0, k1, k0, k1], which silently pairs q1 with k1.
+    """
+    T, S, dh = q.shape[2], k.shape[2], q.shape[3]
+    g = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(g, dim=1)                      # (B, kv, S, dh) -> (B, h, S, dh): query head i gets i // g
+    v = v.repeat_interleave(g, dim=1)                      # (B, kv, S, dh) -> (B, h, S, dh)
+    scores = q @ k.transpose(-2, -1) / math.sqrt(dh) + causal_mask(T, S, q.dtype)   # (B, h, T, S)
+    p = scores.softmax(dim=-1)                             # (B, h, T, S): each row sums to 1
+    return p @ v, p                                        # (B, h, T, S) @ (B, h, S, dh) -> (B, h, T, dh)
 
-    Instead of copying k and v g times, each group's g query heads are stacked as the g*T rows of one
-    "head", which reads its K/V head once, where it lies: the sharing costs no memory.
+
+def attend(q, k, v):
+    """The same attention without the copies: CausalMHA's default path, and the one timed in section 5.
+
+    Copying each K/V head g times would cost as much memory as MHA's cache. Instead, the g query heads of a
+    group are stacked as the g*T rows of one "head", which reads its K/V head once, where it lies. With
+    g = 1 (MHA) nothing is stacked, and this is the textbook form in nn.MultiheadAttention's own operations
+    and order (q scaled first; the mask added by baddbmm), so that MHA equals PyTorch's to the last bit.
+    Shapes as in attend_textbook.
     """
     B, h, T, dh = q.shape
     kv, S = k.shape[1], k.shape[2]
@@ -111,14 +123,13 @@ def attend(q, k, v):
     # A reshape keeps the order of (B, h, T, dh), so a sequence's h*T rows split into kv blocks of g*T: index
     # b*kv + j of the first dimension is group j of sequence b. Its row r is query head j*g + r // T at
     # token r % T. E.g. h=8, kv=2 (g=4), T=3: group 1 holds heads 4..7, its row 5 is head 4 + 5 // 3 = 5 at
-    # token 5 % 3 = 2. Scaling q (not the scores) by 1 / sqrt(dh) keeps the scores' spread near 1 whatever
-    # dh; it is PyTorch's order, needed for the same last bit.
+    # token 5 % 3 = 2.
     q = q.reshape(B * kv, g * T, dh) * math.sqrt(1.0 / dh)   # (B, h, T, dh) -> (B*kv, g*T, dh), scaled
     k = k.reshape(B * kv, S, dh)                           # (B, kv, S, dh) -> (B*kv, S, dh): a cache's, in place
     v = v.reshape(B * kv, S, dh)                           # (B, kv, S, dh) -> (B*kv, S, dh)
     # The rows are g blocks of T tokens, so here .repeat is right: each block needs the same (T, S) mask.
     mask = causal_mask(T, S, q.dtype).repeat(g, 1)         # (T, S) -> (g*T, S)
-    scores = torch.baddbmm(mask, q, k.transpose(1, 2))     # mask + q @ k^T in one call: (B*kv, g*T, S)
+    scores = torch.baddbmm(mask, q, k.transpose(1, 2))     # baddbmm(M, A, B) = M + A @ B: (B*kv, g*T, S)
     p = scores.softmax(dim=-1)                             # (B*kv, g*T, S): each row sums to 1
     o = torch.bmm(p, v)                                    # (B*kv, g*T, S) @ (B*kv, S, dh) -> (B*kv, g*T, dh)
     return o.view(B, h, T, dh), p.view(B, h, T, S)         # un-stacked: (B, h, T, dh), (B, h, T, S)
@@ -241,31 +252,6 @@ class CausalMHA(nn.Module):
                              for name, t in self.state_dict().items()})
         return ref.train(self.training)
 
-    def to_gqa(self, n_kv_heads, pool="mean"):
-        """A new CausalMHA with fewer K/V heads, made from this one as Ainslie et al. 2023 (section 2.2) do.
-
-        Queries and out_proj are copied. The K/V heads are cut into n_kv_heads groups of r consecutive
-        heads (the groups of repeat_interleave), and each group becomes one head: the mean of its r heads'
-        weight and bias rows (pool="mean"), or its first head's (pool="first").
-            4 K/V heads to 2, mean:   [k0, k1 | k2, k3] -> [(k0 + k1) / 2, (k2 + k3) / 2]
-        A converted model needs further training ("uptraining") to recover its quality. Where a group's heads
-        are already equal, the result is the same function within rounding (relative 1e-6 in float32).
-        """
-        check_to_gqa(self, n_kv_heads, pool)
-        h, kv, dh = self.n_heads, self.n_kv_heads, self.d_head
-
-        def narrow(t):                                     # rows (h + 2kv) dh -> (h + 2 n_kv_heads) dh
-            q, k, v = t.split([h * dh, kv * dh, kv * dh])
-            k = k.unflatten(0, (n_kv_heads, kv // n_kv_heads, dh))   # (kv dh, ...) -> (n_kv_heads, r, dh, ...)
-            v = v.unflatten(0, (n_kv_heads, kv // n_kv_heads, dh))   # (kv dh, ...) -> (n_kv_heads, r, dh, ...)
-            k, v = (k[:, 0], v[:, 0]) if pool == "first" else (k.mean(1), v.mean(1))   # (n_kv_heads, dh, ...)
-            return torch.cat([q, k.flatten(0, 1), v.flatten(0, 1)])
-
-        out = CausalMHA(self.d_model, h, n_kv_heads, bias=self.in_proj.bias is not None).to(self.in_proj.weight.dtype)
-        out.load_state_dict({name: narrow(t) if name.startswith("in_proj") else t
-                             for name, t in self.state_dict().items()})
-        return out.train(self.training)
-
 
 # ----------------------------------------------------------------------------- checks against PyTorch
 def max_diff_vs_torch(attn, x, ref=None, fused=False):
@@ -314,8 +300,11 @@ def random_module(n_kv_heads, seed):
 def run_checks(n_kv_heads, seed):
     """The evidence that the module is right. Returns True if every check passes."""
     print(f"1. Checks against PyTorch (float32, B={BATCH}, T={SEQ_LEN}, d={D_MODEL}, h={N_HEADS})")
-    ref = random_module(N_HEADS, seed).to_torch()          # an nn.MultiheadAttention with random biases: its
-    #                                                        own forward computes every reference below
+    torch.manual_seed(seed)
+    ref = nn.MultiheadAttention(D_MODEL, N_HEADS, batch_first=True).eval()   # PyTorch's own, the reference
+    with torch.no_grad():                                  # random biases: PyTorch's zeros would hide a bias
+        ref.in_proj_bias.normal_(0.0, 0.1)                 # copied to the wrong rows
+        ref.out_proj.bias.normal_(0.0, 0.1)
     x = torch.randn(BATCH, SEQ_LEN, D_MODEL)               # (B, T, d)
     copy = CausalMHA.from_torch(ref)
     y_diff, w_diff = max_diff_vs_torch(copy, x, ref)
@@ -333,7 +322,9 @@ def run_checks(n_kv_heads, seed):
     ok &= report(f"{kind:<5} written out vs nn.MHA, K/V heads repeated", y_diff, 2e-6)
     ok &= report(f"{kind:<5} the same, per-head weights", w_diff, 2e-6)
     ok &= report(f"{kind:<5} fused vs that nn.MHA's default path", max_diff_vs_torch(ours, x, fused=True)[0], 2e-6)
-    ok &= report(f"{kind:<5} written out vs F.sdpa(enable_gqa=True)", max_diff_vs_sdpa(ours, x), 2e-6)
+    textbook, sdpa = max_diffs_vs_copying(ours, x)
+    ok &= report(f"{kind:<5} written out vs the textbook, K/V copied", textbook, 2e-6)
+    ok &= report(f"{kind:<5} written out vs F.sdpa(enable_gqa=True)", sdpa, 2e-6)
 
     broken, _ = max_diff_vs_torch(swap_query_heads(CausalMHA.from_torch(ref), 0, 1), x, ref)
     print(f"  {'on purpose: query heads 0 and 1 swapped in the copy':<52} = {broken:.2e}  "
@@ -356,6 +347,9 @@ def llama_cache_bytes(n_kv_heads, tokens=CACHE_TOKENS):
 
 
 # ----------------------------------------------------------------------------- decoding with a cache
+# A model generates one token at a time, and each new token attends to every token before it. Their keys
+# and values never change, so they are kept (the KV cache), and each step projects the new token alone:
+# forward(x_new, cache=...). It must give the same outputs as one forward over the whole sequence.
 def check_cache(n_kv_heads, seed):
     """Real caches: their bytes against the formula, and cached decoding against one full forward."""
     ok, max_len = True, 512
@@ -381,14 +375,15 @@ def check_cache(n_kv_heads, seed):
 
 
 # ----------------------------------------------------------------------------- decode time: a roofline
-# A decode step (T = 1) of one layer does 4 h S dh FLOPs (q k^T and p v, 2 per multiply-add) and reads
-# 2 kv S dh numbers (K and V): h / (2 kv) = g / 2 FLOPs per byte in fp32, g in a 16-bit type. A machine
-# reads so many bytes and computes so many FLOPs per second, so
-#     least time of a step = max(bytes / read rate, FLOPs / FLOP rate)        (the roofline)
-# Below the ridge (FLOP rate / read rate, in FLOPs per byte) the bytes decide; above it, the FLOPs.
-# How fast bytes are read depends on where they lie: a few MB of K and V stay in the CPU's caches, hundreds
-# of MB come from memory. So the read rate is measured on each step's own K and V (a plain sum of them), and
-# the FLOP rate on a big square matmul, the most this CPU computes. The step's products are timed alone too.
+# A decode step (T = 1) of one layer multiplies h queries with S cached keys, then the weights with S values:
+# 4 h S dh FLOPs (two products of h S dh multiply-adds, 2 FLOPs each), on 2 kv S dh numbers read (K and V).
+# A machine reads so many bytes and computes so many FLOPs per second at most, so a step takes at least
+#     floor = max(bytes / read rate, FLOPs / FLOP rate)                                  (the roofline)
+# E.g. MHA at 8192 tokens, fp32: 134 MFLOP on 268 MB. At 20 GB/s and 100 GFLOP/s the read takes 13.4 ms and
+# the arithmetic 1.3 ms: the step waits on memory. MQA reads 32x fewer bytes (0.4 ms), so its FLOPs decide.
+# Which one decides is told by the FLOPs per byte, g / 2 in fp32, against the ridge, FLOP rate / read rate.
+# Both rates are measured in the same run: a sum of each step's own K and V (a few MB come from the CPU's
+# caches faster than hundreds of MB from memory), and a big square matmul, the fastest this CPU computes.
 def decode_flops(n_heads, d_head, S):
     """FLOPs of one new token's attention over S keys: 4 h S dh.  decode_flops(32, 128, 4096) == 67108864"""
     return 4 * n_heads * S * d_head
@@ -445,9 +440,10 @@ def main(argv=None):
 
 
 # ----------------------------------------------------------------------------- helpers of the checks
-def max_diff_vs_sdpa(attn, x):
-    """max |ours - F.scaled_dot_product_attention(enable_gqa=True)|, projected the textbook way (batch-major,
-    so within a tolerance). is_causal=True is right here, where T == S (see causal_mask)."""
+def max_diffs_vs_copying(attn, x):
+    """max |ours - a reference| for two references that copy or broadcast K/V heads: attend_textbook and
+    F.scaled_dot_product_attention(enable_gqa=True). Projected the textbook way (batch-major), so within a
+    tolerance. is_causal=True is right here, where T == S (see causal_mask)."""
     B, T, _ = x.shape
     h, kv, dh = attn.n_heads, attn.n_kv_heads, attn.d_head
     with torch.no_grad():
@@ -455,9 +451,13 @@ def max_diff_vs_sdpa(attn, x):
         q = q.view(B, T, h, dh).transpose(1, 2)            # (B, T, h, dh) -> (B, h, T, dh)
         k = k.view(B, T, kv, dh).transpose(1, 2)           # (B, T, kv, dh) -> (B, kv, T, dh)
         v = v.view(B, T, kv, dh).transpose(1, 2)           # (B, T, kv, dh) -> (B, kv, T, dh)
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)  # (B, h, T, dh)
-        y_ref = attn.out_proj(o.transpose(1, 2).reshape(B, T, h * dh))  # (B, h, T, dh) -> (B, T, d)
-        return (attn(x) - y_ref).abs().max().item()
+        y = attn(x)
+        diffs = []
+        for o in (attend_textbook(q, k, v)[0],
+                  F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)):   # (B, h, T, dh)
+            y_ref = attn.out_proj(o.transpose(1, 2).reshape(B, T, h * dh))   # (B, h, T, dh) -> (B, T, d)
+            diffs.append((y - y_ref).abs().max().item())
+    return diffs
 
 
 def report(label, diff, tol):
@@ -507,23 +507,13 @@ def print_cache_tables(n_kv_heads):
 
 
 # ----------------------------------------------------------------------------- the decode timing and its table
-def products(q, k, v):
-    """The step's two matrix products alone, q k^T and p v (p = the scores, unnormalised): attend without
-    its scaling, mask and softmax. Timed beside the step, it shows how much of the step they take."""
-    B, h, T, dh = q.shape
-    kv, S = k.shape[1], k.shape[2]
-    scores = torch.bmm(q.reshape(B * kv, h // kv * T, dh), k.reshape(B * kv, S, dh).transpose(1, 2))
-    return torch.bmm(scores, v.reshape(B * kv, S, dh))     # (B*kv, g*T, S) @ (B*kv, S, dh)
-
-
 @dataclass
 class DecodeTiming:
-    """What measure_decode saw, each the best of its rounds, in seconds, {kv: [one per context]}: the step,
-    a read of its K and V, its two products alone; the matmul's FLOP/s; the cores other programs kept busy."""
+    """What measure_decode saw, in seconds, each the best of its rounds: {kv: [one per context]} for the
+    steps and the reads of their K and V; the matmul's FLOP/s; how many cores other programs kept busy."""
     contexts: tuple
     steps: dict
     reads: dict
-    products: dict
     flops: float
     rounds: int = 1
     elsewhere: float = 0.0
@@ -540,13 +530,10 @@ class DecodeTiming:
 
 
 def measure_decode(contexts=DECODE_CONTEXTS, kv_heads=LLAMA_KV_HEADS, rounds=DECODE_ROUNDS):
-    """Time one decode step of one layer's attention (attend, as the lesson writes it), its two ceilings
-    and its products alone, for every K/V head count and context.
-
-    Each configuration's K and V lie in a buffer of their own, as a server preallocates them. A round times
-    a (MATMUL_N, MATMUL_N) matmul, then, longest context first, each step, a read of its K and V, and its
-    products. Every measurement keeps its best round, so a moment of load cannot land on one alone.
-    """
+    """Time one decode step of one layer's attention (attend) and a read of its K and V, for every K/V head
+    count and context, and a (MATMUL_N, MATMUL_N) matmul. Each configuration's K and V lie in a buffer of
+    their own, as a server preallocates them. A round runs every job once, longest context first; each job
+    keeps its best round, so a moment of load cannot land on one alone."""
     contexts = tuple(sorted(set(contexts)))
     q = torch.randn(1, LLAMA_HEADS, 1, LLAMA_D_HEAD)       # (B, h, 1, dh): one new token
     a = torch.randn(MATMUL_N, MATMUL_N)
@@ -554,26 +541,25 @@ def measure_decode(contexts=DECODE_CONTEXTS, kv_heads=LLAMA_KV_HEADS, rounds=DEC
     for kv in kv_heads:
         pair = torch.full((2, 1, kv, max(contexts), LLAMA_D_HEAD), 0.01)   # K and V: (2, B, kv, max_len, dh)
         for S in contexts:
-            k, v = pair[:, :, :, :S]                       # (B, kv, S, dh) each
-            jobs += [("steps", kv, S, attend, (q, k, v)), ("reads", kv, S, torch.sum, (pair[:, :, :, :S],)),
-                     ("products", kv, S, products, (q, k, v))]
+            jobs.append(("steps", kv, S, attend, (q, *pair[:, :, :, :S])))   # k, v: (B, kv, S, dh) each
+            jobs.append(("reads", kv, S, torch.sum, (pair[:, :, :, :S],)))
     jobs.sort(key=lambda job: -job[2])                     # longest context first (the sort is stable)
-    best = {(what, kv, S): math.inf for what, kv, S, _, _ in jobs}
+    best = {}
     start = cpu_seconds()                                  # to see what other programs ran meanwhile
     with torch.no_grad():
         for _ in range(rounds):
             for what, kv, S, fn, args in jobs:
                 t0 = time.perf_counter()
                 fn(*args)
-                best[what, kv, S] = min(best[what, kv, S], time.perf_counter() - t0)
-    table = {what: {kv: [best[what, kv, S] for S in contexts] for kv in kv_heads}
-             for what in ("steps", "reads", "products")}
-    return DecodeTiming(contexts, **table, flops=2 * MATMUL_N**3 / best["matmul", 0, math.inf], rounds=rounds,
-                        elsewhere=cores_elsewhere(start))
+                best[what, kv, S] = min(best.get((what, kv, S), math.inf), time.perf_counter() - t0)
+    steps = {kv: [best["steps", kv, S] for S in contexts] for kv in kv_heads}
+    reads = {kv: [best["reads", kv, S] for S in contexts] for kv in kv_heads}
+    return DecodeTiming(contexts, steps, reads, flops=2 * MATMUL_N**3 / best["matmul", 0, math.inf],
+                        rounds=rounds, elsewhere=cores_elsewhere(start))
 
 
 def timing_contradictions(timing, slack=0.1, elsewhere=0.25):
-    """What in the measurements cannot be true of a quiet machine; [] when they hold together: other
+    """What in the measurements cannot be true of a quiet machine ([] when they hold together): other
     programs keeping more than `elsewhere` of a core busy, a step more than `slack` faster than its floor,
     or (from 1024 tokens on) more than `slack` slower than the configuration with more K/V heads."""
     problems = [f"other programs kept {timing.elsewhere:.1f} cores busy"] if timing.elsewhere > elsewhere else []
@@ -596,31 +582,26 @@ def print_decode_table(timing, problems):
           f"fp32,\n   best of {timing.rounds} rounds on {machine_name()}. Ceilings measured in the same rounds: a "
           f"{MATMUL_N}x{MATMUL_N} matmul\n   at {timing.flops / 1e9:.0f} GFLOP/s, and each step's own K and V read "
           f"(a sum); from memory the ridge is at {ridge:.1f} FLOPs/byte.")
-    print(f"   At {s_max} tokens:  floor = max(bytes / read rate, FLOPs / matmul rate); products: q k^T and p v alone")
-    print(f"   {'config':<7}{'FLOP/byte':>10}{'read GB/s':>11}  {'bound':<8}{'floor ms':>9}{'measured':>10}"
-          f"{'reaches':>9}{'products':>10}")
+    print(f"   At {s_max} tokens:  floor = max(bytes / read rate, FLOPs / matmul rate)")
+    print(f"   {'config':<7}{'FLOP/byte':>10}{'read GB/s':>11}  {'bound':<8}{'floor ms':>9}{'measured':>10}{'reaches':>9}")
     for kv in kinds:
         (floor, bound), t = timing.floor(kv, s_max), timing.steps[kv][-1]
         print(f"   {attention_kind(h, kv):<7}{h / kv / 2:>10.1f}{timing.ceilings(kv, s_max).bandwidth / 1e9:>11.1f}  "
-              f"{bound:<8}{floor * 1e3:>9.3f}{t * 1e3:>10.3f}{floor / t:>9.0%}{timing.products[kv][-1] / t:>10.0%}")
+              f"{bound:<8}{floor * 1e3:>9.3f}{t * 1e3:>10.3f}{floor / t:>9.0%}")
     if problems:
         more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
         print(f"   NOT TRUSTWORTHY, the machine was busy while timing: {problems[0]}{more}")
         return
-    fewest, gpu_name, gpu_flops, gpu_bandwidth = min(kinds), *GPU
-    shares = [timing.products[kv][-1] / timing.steps[kv][-1] for kv in kinds]
+    fewest, (gpu_name, gpu_flops, gpu_bandwidth) = min(kinds), GPU
     print(f"   {attention_kind(h, fewest)} reads {h // fewest}x fewer bytes than MHA for the same FLOPs and is "
-          f"{timing.steps[h][-1] / timing.steps[fewest][-1]:.1f}x faster. The two products alone take "
-          f"{min(shares):.0%} to {max(shares):.0%}\n   of a step: PyTorch's matmuls of so few rows per K/V head are "
-          "what keeps each step above its floor.\n"
+          f"{timing.steps[h][-1] / timing.steps[fewest][-1]:.1f}x faster. Between measured and floor: a\n"
+          "   step's matmuls have few query rows per K/V head, and PyTorch runs those slower than a sum reads\n"
+          "   or a square matmul computes (LABNOTES.md measures both).\n"
           f"   An {gpu_name}'s ridge is at {gpu_flops / gpu_bandwidth:.0f} FLOPs per byte and a bf16 step does g: there "
           "all of these wait on memory.")
 
 
 # ----------------------------------------------------------------------------- figures
-COLORS = ["tab:red", "tab:orange", "tab:green", "tab:blue", "tab:purple", "tab:brown", "tab:pink"]
-
-
 def plot_attention_maps(n_kv_heads, seed):
     """Each head's causal attention probabilities on one random sequence."""
     attn = random_module(n_kv_heads, seed + 3)
@@ -631,7 +612,6 @@ def plot_attention_maps(n_kv_heads, seed):
     rows = math.ceil(N_HEADS / cols)
     fig = new_figure(2.2 * cols + 1.2, 2.3 * rows + 0.7)
     axes = fig.subplots(rows, cols, squeeze=False).flatten()
-    fig.subplots_adjust(left=0.07, right=0.88, bottom=0.1, top=1 - 0.7 / (2.3 * rows + 0.7), hspace=0.3)
     for i, ax in enumerate(axes[:N_HEADS]):
         im = ax.imshow(p[0, i].numpy(), cmap="viridis", vmin=0.0, vmax=1.0)
         ax.set_title(f"query head {i} (K/V head {i // (N_HEADS // n_kv_heads)})", fontsize=9)
@@ -640,7 +620,7 @@ def plot_attention_maps(n_kv_heads, seed):
         ax.set_axis_off()
     axes[(rows - 1) * cols].set_xlabel("key position", fontsize=8)
     axes[(rows - 1) * cols].set_ylabel("query position", fontsize=8)
-    fig.colorbar(im, cax=fig.add_axes([0.9, 0.15, 0.015, 0.65]), label="attention probability")
+    fig.colorbar(im, ax=axes.tolist(), shrink=0.8, label="attention probability")
     fig.suptitle(f"Per-head causal attention, {attention_kind(N_HEADS, n_kv_heads)}: {N_HEADS} query heads share "
                  f"{n_kv_heads} K/V heads, d={D_MODEL}, T={SEQ_LEN}\nrandom untrained weights: each row sums "
                  "to 1 over the keys at or before the query", fontsize=10)
@@ -651,13 +631,12 @@ def plot_cache_sizes():
     """KV-cache GB of the Llama-7B shape per configuration, against context, each labelled at CACHE_TOKENS."""
     fig = new_figure(8, 4.8)
     ax = fig.subplots()
-    fig.subplots_adjust(left=0.1, right=0.97, bottom=0.12, top=0.86)
     context = [2 ** i for i in range(9, 18)]               # 512 .. 131072 tokens
-    for kv, color in zip(LLAMA_KV_HEADS, COLORS):
+    for i, kv in enumerate(LLAMA_KV_HEADS):
         kind, at = attention_kind(LLAMA_HEADS, kv), llama_cache_bytes(kv) / 1e9
-        ax.plot(context, [llama_cache_bytes(kv, S) / 1e9 for S in context], marker="o", ms=3, color=color,
+        ax.plot(context, [llama_cache_bytes(kv, S) / 1e9 for S in context], marker="o", ms=3, color=f"C{i}",
                 label=f"{kind} ({kv} K/V heads): {at:.2f} GB at {CACHE_TOKENS} tokens")
-        ax.plot([CACHE_TOKENS], [at], "s", ms=8, color=color)
+        ax.plot([CACHE_TOKENS], [at], "s", ms=8, color=f"C{i}")
     ax.axhline(GPU_CACHE_GB, color="gray", ls="--", lw=1)
     ax.text(context[0], GPU_CACHE_GB * 1.15, f"{GPU_CACHE_GB} GB of GPU memory", fontsize=8, color="gray")
     log_axes(ax, context[::2], [0.01, 0.1, 1, 10, 100])
@@ -673,9 +652,7 @@ def plot_head_layout(n_kv_heads):
     """Which query heads read which K/V head, for every valid n_kv_heads of the demo model."""
     from matplotlib.patches import Rectangle
     options = [kv for kv in range(N_HEADS, 0, -1) if N_HEADS % kv == 0]
-    height = 1.5 * len(options) + 0.6
-    fig = new_figure(max(6.0, 0.75 * N_HEADS + 2.5), height)
-    fig.subplots_adjust(left=0.02, right=0.98, bottom=0.02, top=1 - 0.75 / height, hspace=0.35)
+    fig = new_figure(max(6.0, 0.75 * N_HEADS + 2.5), 1.5 * len(options) + 0.6)
     for ax, kv in zip(fig.subplots(len(options), 1, squeeze=False)[:, 0], options):
         g, mine = N_HEADS // kv, kv == n_kv_heads
         for i in range(N_HEADS):                           # query heads, top row, coloured by their K/V head
@@ -701,14 +678,13 @@ def plot_decode_time(timing, problems):
     h, dh, contexts, s_max = LLAMA_HEADS, LLAMA_D_HEAD, timing.contexts, max(timing.contexts)
     fig = new_figure(13, 5.4)
     left, right = fig.subplots(1, 2)
-    fig.subplots_adjust(left=0.06, right=0.99, bottom=0.11, top=0.82, wspace=0.2)
     flops = decode_flops(h, dh, s_max)
-    for (kv, row), color in zip(timing.steps.items(), COLORS):
+    for i, (kv, row) in enumerate(timing.steps.items()):
         kind = attention_kind(h, kv)
-        left.plot(contexts, [t * 1e3 for t in row], marker="o", color=color, label=f"{kind} measured")
-        left.plot(contexts, [timing.floor(kv, S)[0] * 1e3 for S in contexts], ls="--", color=color, lw=1,
+        left.plot(contexts, [t * 1e3 for t in row], marker="o", color=f"C{i}", label=f"{kind} measured")
+        left.plot(contexts, [timing.floor(kv, S)[0] * 1e3 for S in contexts], ls="--", color=f"C{i}", lw=1,
                   label=f"{kind} floor")
-        right.plot([flops / decode_bytes(kv, dh, s_max)], [flops / row[-1] / 1e9], "o", ms=8, color=color,
+        right.plot([flops / decode_bytes(kv, dh, s_max)], [flops / row[-1] / 1e9], "o", ms=8, color=f"C{i}",
                    label=f"{kind}: g / 2 = {h / kv / 2:g} FLOPs per byte")
     log_axes(left, contexts, [0.01, 0.1, 1, 10, 100])
     left.set_xlabel("cached context S (tokens)")
@@ -725,37 +701,31 @@ def plot_decode_time(timing, problems):
     right.axvline(gpu_flops / gpu_bandwidth, color="gray", ls="--", lw=1,
                   label=f"{gpu_name} ridge: {gpu_flops / 1e12:.0f} TFLOP/s bf16 / {gpu_bandwidth / 1e12:.2f} TB/s"
                         f" = {gpu_flops / gpu_bandwidth:.0f}")
-    log_axes(right, [0.125, 1, 8, 64, 512], [1, 10, 100, 1000], xlabel=lambda x: f"{x:g}")
+    log_axes(right, [0.125, 1, 8, 64, 512], [1, 10, 100, 1000])
     right.set_xlabel("arithmetic intensity (FLOPs per byte read)")
     right.set_ylabel("GFLOP/s")
     right.set_title(f"the roofline; dots: each step measured at {s_max} tokens", fontsize=10)
     right.legend(fontsize=7, loc="lower right")
-    fig.suptitle(f"One decode step of one layer's attention, {h} query heads, dh={dh}, fp32, on {machine_name()}",
-                 fontsize=11)
+    title = f"One decode step of one layer's attention, {h} query heads, dh={dh}, fp32, on {machine_name()}"
     if problems:
-        fig.text(0.5, 0.88, f"NOT TRUSTWORTHY: the machine was busy while timing ({problems[0]})", ha="center",
-                 color="red", fontsize=10)
+        title += f"\nNOT TRUSTWORTHY: the machine was busy while timing ({problems[0]})"
+    fig.suptitle(title, fontsize=11)
     return fig
 
 
-def tokens_label(n):
-    """tokens_label(8192) == '8k' (multiples of 1024); tokens_label(512) == '512'; tokens_label(5000) == '5,000'."""
-    return f"{n // 1024}k" if n >= 1024 and n % 1024 == 0 else f"{n:,}"
-
-
-def log_axes(ax, xticks, yticks, xlabel=tokens_label):
-    """Log-log axes with ticks at fixed places, in plain text."""
+def log_axes(ax, xticks, yticks):
+    """Log-log axes with ticks at fixed places, labelled in plain numbers."""
     ax.set_xscale("log")
     ax.set_yscale("log")
-    ax.set_xticks(xticks, [xlabel(t) for t in xticks])
+    ax.set_xticks(xticks, [f"{t:g}" for t in xticks])
     ax.set_yticks(yticks, [f"{t:g}" for t in yticks])
     ax.minorticks_off()
 
 
-def new_figure(width, height):
-    """A matplotlib Figure on the Agg canvas: no display, no global pyplot state."""
+def new_figure(width, height, layout="constrained"):
+    """A matplotlib Figure on the Agg canvas (no display, no global pyplot state); layout=None to place by hand."""
     from matplotlib.figure import Figure
-    return Figure(figsize=(width, height))
+    return Figure(figsize=(width, height), layout=layout)
 
 
 def png_bytes(fig):
@@ -837,8 +807,7 @@ def check_cache_fits(x, tensors, length, max_len):
 
 
 def check_cache_size(batch, max_len):
-    if whole_number("batch", batch) < 1 or whole_number("max_len", max_len) < 1:
-        raise ValueError(f"a cache needs batch >= 1 and max_len >= 1, got batch={batch}, max_len={max_len}")
+    check_counts([("batch", batch, 1), ("max_len", max_len, 1)])
 
 
 def check_copyable(ref):
@@ -849,13 +818,6 @@ def check_copyable(ref):
                          "without kdim, vdim, add_bias_kv or add_zero_attn")
     if ref.dropout and ref.training:
         raise ValueError(f"from_torch needs dropout=0.0 in training mode (CausalMHA has no dropout), got {ref.dropout}")
-
-
-def check_to_gqa(attn, n_kv_heads, pool):
-    if whole_number("n_kv_heads", n_kv_heads) < 1 or attn.n_kv_heads % n_kv_heads:
-        raise ValueError(f"n_kv_heads={n_kv_heads} must be a positive divisor of the {attn.n_kv_heads} K/V heads")
-    if pool not in ("mean", "first"):
-        raise ValueError(f"pool={pool!r} must be 'mean' or 'first'")
 
 
 FIGURES = ["attention_maps.png", "kv_cache_size.png", "head_layout.png", "decode_time.png"]
@@ -895,18 +857,18 @@ def parse_args(argv=None):
 def out_dir_problem(folder, names):
     """Why the files `names` cannot be written into folder, in one sentence, or None. Checked before the
     run, so that a bad --out-dir costs nothing; the folder itself is made only when the figures are written."""
+    if not folder:
+        return "--out-dir '' names no folder"
     parent = folder
-    while parent and not os.path.isdir(parent):            # the nearest folder that exists
+    while not os.path.isdir(parent):                       # the nearest folder that exists
         if os.path.lexists(parent):
             return f"{parent!r} is not a folder, so the figures cannot go to {folder!r}"
-        parent = os.path.dirname(parent.rstrip(os.sep))
+        parent = os.path.dirname(parent.rstrip(os.sep)) or "."
     for path in (os.path.join(folder, name) for name in names):
         if os.path.lexists(path) and not os.path.isfile(path):
             return f"{path!r} exists and is not a file; remove it or choose another --out-dir"
-    if not folder:
-        return "--out-dir '' names no folder"
     try:                                                   # a file made there, and gone again at once
-        with tempfile.TemporaryFile(dir=parent or "."):
+        with tempfile.TemporaryFile(dir=parent):
             pass
     except OSError as e:
         return f"cannot write into {folder!r}: {e.strerror}"

@@ -8,7 +8,7 @@ reports validation loss in bits per character, with a 95 % confidence interval f
      seeing the same batches. Built to resolve MQA's cost: MHA and MQA train on 5 seeds, 81 % power at the
      effect measured beforehand on seeds 10-15 (+0.033 bits/char, sd 0.019, at 1800 steps); GQA-4 and GQA-2
      on the first 3 seeds, all that 12 minutes on 2 cores leave.
-  B. Conversion (Ainslie et al. 2023, section 2.1): each trained MHA of those 3 seeds becomes GQA/MQA by
+  B. Conversion (Ainslie et al. 2023, sections 2.1-2.2): each trained MHA of those 3 seeds becomes GQA/MQA by
      pooling its K/V heads, then trains 5 % more, beside the control: the same MHA trained on in the same way.
   C. What each head of a trained MHA attends to, and its attention maps on a real passage.
   D. Head ablation (Michel et al. 2019): how much one trained MHA needs each head, and how many can go.
@@ -157,13 +157,45 @@ def bits_per_char(logits, y):
     return F.cross_entropy(logits.flatten(0, 1), y.flatten()) / math.log(2)   # (B*T, V) against (B*T,)
 
 
+def to_gqa(attn, n_kv_heads, pool="mean"):
+    """A new mha.CausalMHA with fewer K/V heads, made from attn as Ainslie et al. 2023 (section 2.2) do.
+
+    Queries and out_proj are copied. The K/V heads are cut into n_kv_heads groups of r consecutive heads
+    (the groups of repeat_interleave), and each group becomes one head: the mean of its r heads' weight and
+    bias rows (pool="mean"), or its first head's (pool="first").
+        4 K/V heads to 2, mean:   [k0, k1 | k2, k3] -> [(k0 + k1) / 2, (k2 + k3) / 2]
+    Where a group's heads are already equal, the result is the same function within rounding (relative 1e-6
+    in float32). Otherwise it needs further training ("uptraining") to recover its quality: table B.
+    """
+    if mha.whole_number("n_kv_heads", n_kv_heads) < 1 or attn.n_kv_heads % n_kv_heads:
+        raise ValueError(f"n_kv_heads={n_kv_heads} must be a positive divisor of the {attn.n_kv_heads} K/V heads")
+    if pool not in ("mean", "first"):
+        raise ValueError(f"pool={pool!r} must be 'mean' or 'first'")
+    h, kv, dh, r = attn.n_heads, attn.n_kv_heads, attn.d_head, attn.n_kv_heads // n_kv_heads
+
+    def narrow(t):                                         # rows (h + 2kv) dh -> (h + 2 n_kv_heads) dh
+        q, k, v = t.split([h * dh, kv * dh, kv * dh])
+        k = k.unflatten(0, (n_kv_heads, r, dh))            # (kv dh, ...) -> (n_kv_heads, r, dh, ...)
+        v = v.unflatten(0, (n_kv_heads, r, dh))            # (kv dh, ...) -> (n_kv_heads, r, dh, ...)
+        if pool == "first":
+            k, v = k[:, 0], v[:, 0]                        # (n_kv_heads, dh, ...)
+        else:
+            k, v = k.mean(1), v.mean(1)                    # (n_kv_heads, dh, ...)
+        return torch.cat([q, k.flatten(0, 1), v.flatten(0, 1)])
+
+    bias = attn.in_proj.bias is not None
+    out = mha.CausalMHA(attn.d_model, h, n_kv_heads, bias=bias).to(attn.in_proj.weight.dtype)
+    out.load_state_dict({name: narrow(t) if name.startswith("in_proj") else t for name, t in attn.state_dict().items()})
+    return out.train(attn.training)
+
+
 def with_kv_heads(model, n_kv_heads, pool, seed=0):
-    """A copy of model whose every attention has n_kv_heads K/V heads, made by CausalMHA.to_gqa: pool "mean" or
+    """A copy of model whose every attention has n_kv_heads K/V heads, made by to_gqa: pool "mean" or
     "first", or "random", which keeps the queries and draws new K/V heads as nn.Linear draws its weights."""
     new = copy.deepcopy(model)
     g = torch.Generator().manual_seed(seed)
     for block in new.blocks:
-        block.attn = block.attn.to_gqa(n_kv_heads, "first" if pool == "random" else pool)
+        block.attn = to_gqa(block.attn, n_kv_heads, "first" if pool == "random" else pool)
         if pool == "random":
             rows, bound = slice(N_HEADS * block.attn.d_head, None), 1 / math.sqrt(D_MODEL)   # K, V rows; U(-b, b)
             with torch.no_grad():
@@ -533,7 +565,7 @@ def plot_quality(scratch, steps, ablation, roles, chance, seed):
     """Left: A's loss against KV-cache bytes per token. Right: D, each head's loss rise alone, coloured by its
     role in C."""
     from matplotlib.patches import Patch
-    fig = mha.new_figure(16, 5.5)
+    fig = mha.new_figure(16, 5.5, layout=None)
     left, right = fig.subplots(1, 2, gridspec_kw={"width_ratios": [1, 2]})
     for name, kv in CONFIGS.items():
         losses, color = [run[1] for run in scratch[name].values()], COLORS.get(name)
@@ -574,7 +606,7 @@ def plot_trained_maps(model, data, seed, steps, best):
     text = data.val_text[start:start + PASSAGE]
     maps = attention_maps(model, data.val[start:start + PASSAGE][None])   # (1, T) -> each (1, h, T, T)
     cols, rows = 4, N_LAYERS * N_HEADS // 4
-    fig = mha.new_figure(3.2 * cols + 1, 3.2 * rows + 0.8)
+    fig = mha.new_figure(3.2 * cols + 1, 3.2 * rows + 0.8, layout=None)
     labels = [{" ": "\u2423", "\n": "\u21b5"}.get(c, c) for c in text]   # a space as an open box, a newline as ↵
     for k, ax in enumerate(fig.subplots(rows, cols, squeeze=False).flat):
         layer, head = divmod(k, N_HEADS)

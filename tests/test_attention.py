@@ -20,8 +20,13 @@ def torch_mha(d, h, dtype=torch.float32, bias=True, seed=0):
 
 
 def gqa_module(d, h, kv, dtype=torch.float32, seed=0):
-    ours = mha.CausalMHA.from_torch(torch_mha(d, h, dtype, seed=seed))   # random biases, then narrowed
-    return ours if kv == h else ours.to_gqa(kv, pool="first")
+    """A CausalMHA with PyTorch's weight init and random (non-zero) biases."""
+    torch.manual_seed(seed)
+    ours = mha.CausalMHA(d, h, kv).to(dtype)
+    with torch.no_grad():
+        ours.in_proj.bias.normal_(0.0, 0.1)
+        ours.out_proj.bias.normal_(0.0, 0.1)
+    return ours
 
 
 # d_head 32 and 64 are powers of two; 48 and 24 are not (sqrt(1/dh) is then inexact in binary).
@@ -101,12 +106,12 @@ def test_gqa_matches_torch_with_repeated_kv(dtype, tol, d, h, kv, T):
 
 
 @pytest.mark.parametrize("kv", [4, 2, 1])
-def test_gqa_matches_sdpa_enable_gqa(kv):
-    diff = mha.max_diff_vs_sdpa(gqa_module(256, 8, kv), torch.randn(2, 17, 256))
-    assert diff <= 2e-6, f"kv={kv}: max |ours - sdpa(enable_gqa=True)| = {diff:.3e}"
+def test_gqa_matches_the_textbook_and_sdpa_enable_gqa(kv):
+    textbook, sdpa = mha.max_diffs_vs_copying(gqa_module(256, 8, kv), torch.randn(2, 17, 256))
+    assert textbook <= 2e-6 and sdpa <= 2e-6, f"kv={kv}: textbook {textbook:.3e}, sdpa(enable_gqa=True) {sdpa:.3e}"
 
 
-@pytest.mark.parametrize("attend", [mha.attend, mha.attend_fused])
+@pytest.mark.parametrize("attend", [mha.attend_textbook, mha.attend, mha.attend_fused])
 def test_query_heads_are_grouped_like_repeat_interleave(attend):
     """Query head i must read K/V head i // g; repeat() instead of repeat_interleave() pairs them wrongly."""
     torch.manual_seed(8)
@@ -120,13 +125,23 @@ def test_query_heads_are_grouped_like_repeat_interleave(attend):
     assert (o - wrong).abs().max() > 1e-2
 
 
-def test_attend_is_the_formula_written_out():
+@pytest.mark.parametrize("attend", [mha.attend_textbook, mha.attend])
+def test_attend_is_the_formula_written_out(attend):
     """Known answer from the formula itself, in float64: softmax(q k^T / sqrt(dh) + mask) v, per head."""
     torch.manual_seed(9)
     q, k, v = (torch.randn(1, 2, 4, 8, dtype=torch.float64) for _ in range(3))
-    o, p = mha.attend(q, k, v)
+    o, p = attend(q, k, v)
     want_p = (q @ k.transpose(-1, -2) / 8 ** 0.5 + mha.causal_mask(4, 4, torch.float64)).softmax(-1)
     assert torch.allclose(p, want_p, atol=1e-12) and torch.allclose(o, want_p @ v, atol=1e-12)
+
+
+@pytest.mark.parametrize("T, S", [(5, 5), (1, 9), (3, 9)])
+def test_attend_is_the_textbook_without_the_copies(T, S):
+    """GQA-2 of 8 heads, with and without a cache's earlier keys: the same weights and output (float64)."""
+    torch.manual_seed(10)
+    q, k, v = torch.randn(2, 8, T, 16, dtype=torch.float64), *torch.randn(2, 2, 2, S, 16, dtype=torch.float64)
+    (o, p), (o_book, p_book) = mha.attend(q, k, v), mha.attend_textbook(q, k, v)
+    assert torch.allclose(p, p_book, atol=1e-12) and torch.allclose(o, o_book, atol=1e-12)
 
 
 @pytest.mark.parametrize("kv", [8, 2, 1])
@@ -168,69 +183,6 @@ def test_attention_kind_names_the_kv_heads():
     assert [mha.attention_kind(32, kv) for kv in (32, 8, 1)] == ["MHA", "GQA-8", "MQA"]
 
 
-# ----------------------------------------------------------------------------- to_gqa (MHA -> GQA conversion)
-def tie_kv_heads_in_groups(attn, r):
-    """Make every group of r consecutive K/V heads equal (to its first head), in place."""
-    h, kv, dh = attn.n_heads, attn.n_kv_heads, attn.d_head
-    with torch.no_grad():
-        for t in (attn.in_proj.weight, attn.in_proj.bias):
-            for start in (h * dh, (h + kv) * dh):                  # K rows, then V rows
-                heads = t[start:start + kv * dh].unflatten(0, (kv // r, r, dh))  # (groups, r, dh, ...)
-                heads.copy_(heads[:, :1].expand_as(heads))
-    return attn
-
-
-@pytest.mark.parametrize("h, kv, new_kv", [(6, 6, 2), (6, 6, 1), (8, 8, 4), (8, 4, 2), (12, 6, 2), (8, 2, 2)])
-@pytest.mark.parametrize("pool", ["mean", "first"])
-@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-6), (torch.float64, 1e-12)])
-def test_to_gqa_of_equal_heads_is_the_same_function(h, kv, new_kv, pool, dtype, tol):
-    """Known answer: if each group's K/V heads are already equal, pooling them keeps the function, within
-    rounding: the narrower module multiplies matrices of another width, which MKL may round differently
-    (Intel CPUs under MKL_CBWR=AVX2 do), so this is a tolerance, not 0.0."""
-    attn = tie_kv_heads_in_groups(gqa_module(16 * h, h, kv, dtype, seed=11), kv // new_kv)
-    out = attn.to_gqa(new_kv, pool=pool)
-    assert (out.n_heads, out.n_kv_heads, out.d_head) == (h, new_kv, 16)
-    for (name, p), (_, q) in zip(attn.to_torch().named_parameters(), out.to_torch().named_parameters()):
-        assert mha.relative_diff(q, p) <= tol, name        # a mean of 3 equal floats may round
-    x = torch.randn(2, 7, 16 * h, dtype=dtype)
-    with torch.no_grad():
-        y, y_out = attn(x), out(x)
-    assert mha.relative_diff(y_out, y) <= tol, f"{mha.relative_diff(y_out, y):.2e}"
-
-
-def test_to_gqa_of_different_heads_is_another_function():
-    """The tolerance above is not loose: pooling heads that differ moves the output far beyond it."""
-    attn = gqa_module(64, 4, 4, seed=3)
-    x = torch.randn(2, 7, 64)
-    with torch.no_grad():
-        assert mha.relative_diff(attn.to_gqa(2)(x), attn(x)) > 1e-3
-
-
-def test_to_gqa_mean_and_first_on_a_hand_made_module():
-    """4 K/V heads of width 1 with known values, pooled to 2: the mean or the first of each pair."""
-    attn = mha.CausalMHA(4, 4, 4)
-    with torch.no_grad():
-        attn.in_proj.weight.copy_(torch.arange(12.0).unsqueeze(1).expand(12, 4))   # row i is all i
-        attn.in_proj.bias.copy_(-torch.arange(12.0))
-    mean, first = attn.to_gqa(2), attn.to_gqa(2, pool="first")
-    assert mean.in_proj.weight[:, 0].tolist() == [0, 1, 2, 3, 4.5, 6.5, 8.5, 10.5]
-    assert first.in_proj.weight[:, 0].tolist() == [0, 1, 2, 3, 4, 6, 8, 10]
-    assert mean.in_proj.bias.tolist() == [-0.0, -1, -2, -3, -4.5, -6.5, -8.5, -10.5]
-    assert torch.equal(mean.out_proj.weight, attn.out_proj.weight)
-    assert attn.to_gqa(1).in_proj.weight[:, 0].tolist() == [0, 1, 2, 3, 5.5, 9.5]
-
-
-def test_to_gqa_copies_and_keeps_dtype_mode_and_bias():
-    attn = gqa_module(64, 4, 4, torch.float64).train(False)
-    out = attn.to_gqa(4)
-    assert out is not attn and out.in_proj.weight.dtype == torch.float64 and not out.training
-    assert torch.equal(out.in_proj.weight, attn.in_proj.weight)
-    out.in_proj.weight.data.zero_()
-    assert attn.in_proj.weight.abs().max() > 0                       # a copy, not a view
-    no_bias = mha.CausalMHA(64, 4, 2, bias=False).to_gqa(1)
-    assert no_bias.in_proj.bias is None and no_bias.n_kv_heads == 1
-
-
 # ----------------------------------------------------------------------------- bad input: one sentence
 def one_sentence(error, words):
     for w in words:
@@ -270,19 +222,6 @@ def test_weights_from_the_fused_path_are_refused():
     with pytest.raises(ValueError) as e:
         mha.CausalMHA(64, 8, 2)(torch.randn(1, 3, 64), need_weights=True, fused=True)
     one_sentence(e, ["need_weights=True", "fused"])
-
-
-@pytest.mark.parametrize("kv, pool, error, words", [
-    (3, "mean", ValueError, ["n_kv_heads=3", "positive divisor", "4 K/V heads"]),
-    (8, "mean", ValueError, ["n_kv_heads=8"]),
-    (0, "mean", ValueError, ["n_kv_heads=0"]),
-    (2.0, "mean", TypeError, ["whole number", "2.0"]),
-    (2, "max", ValueError, ["'max'", "'mean' or 'first'"]),
-])
-def test_to_gqa_refuses_in_one_sentence(kv, pool, error, words):
-    with pytest.raises(error) as e:
-        mha.CausalMHA(64, 8, 4).to_gqa(kv, pool=pool)
-    one_sentence(e, words)
 
 
 @pytest.mark.parametrize("ref, error, words", [

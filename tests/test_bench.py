@@ -4,6 +4,8 @@ import os
 import subprocess
 import sys
 
+import torch
+
 import bench
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -15,13 +17,22 @@ def test_forward_times_compares_both_paths_with_pytorch_s_own():
 
 
 def test_decode_times_measures_every_kind_its_reads_and_the_matmul():
-    steps, parts, reads, shared, copy, flops, weights = bench.decode_times(64, h=32, dh=4, rounds=2)
-    assert list(steps) == list(parts) == list(reads) == list(bench.KINDS)
-    assert all(len(t) == 2 and min(t) > 0 for t in [*steps.values(), *parts.values(), *reads.values(), shared, copy])
+    steps, parts, alone, reads, shared, copy, flops, weights = bench.decode_times(64, h=32, dh=4, rounds=2)
+    assert list(steps) == list(parts) == list(alone) == list(reads) == list(bench.KINDS)
+    timed = [*steps.values(), *parts.values(), *alone.values(), *reads.values(), shared, copy]
+    assert all(len(t) == 2 and min(t) > 0 for t in timed)
     assert 1e8 < flops < 1e14
     d = 32 * 4                                   # in_proj (h + 2 kv) dh rows and out_proj d rows, with biases
     assert weights["MHA"] == 4 * ((32 + 2 * 32) * 4 * (d + 1) + d * (d + 1))
     assert weights["MQA"] == 4 * ((32 + 2 * 1) * 4 * (d + 1) + d * (d + 1))
+
+
+def test_products_are_the_steps_products():
+    """products() is mha.attend's two matmuls without scale, mask and softmax: checked against the formula."""
+    torch.manual_seed(1)
+    q, k, v = torch.randn(1, 8, 1, 16, dtype=torch.float64), *torch.randn(2, 1, 2, 5, 16, dtype=torch.float64)
+    scores = q.view(1, 2, 4, 16) @ k.transpose(-1, -2)     # each K/V head against its 4 query heads
+    assert torch.allclose(bench.products(q, k, v), (scores @ v).view(2, 4, 16), atol=1e-12)
 
 
 def test_scattered_rounds_are_a_contradiction(monkeypatch):

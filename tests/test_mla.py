@@ -400,12 +400,12 @@ def test_default_run_prints_every_check(default_run):
     assert r.stdout.rstrip().endswith("All checks: OK")
 
 
-def test_readme_quotes_the_real_output(default_run):
-    """The README quotes sections 1 and 2 of a run (section 3 is measured and lives in the lab notes): the
-    same lines as a fresh run's, up to values checked against a tolerance."""
-    with open(os.path.join(ROOT, "README.md")) as f:
-        readme = f.read()
-    quoted = readme.split("<!-- mla-output:start -->\n```text\n")[1].split("```\n<!-- mla-output:end -->")[0]
+def test_the_lab_notes_quote_the_real_output(default_run):
+    """The lab notes quote sections 1 and 2 of a run (section 3 is measured, quoted apart): the same lines
+    as a fresh run's, up to values checked against a tolerance."""
+    with open(os.path.join(ROOT, "LABNOTES.md")) as f:
+        notes = f.read()
+    quoted = notes.split("<!-- mla-output:start -->\n```text\n")[1].split("```\n<!-- mla-output:end -->")[0]
     cut = "3. Decode step"
     assert cut in default_run.stdout and cut not in quoted
     assert comparable(quoted.rstrip()) == comparable(default_run.stdout.split(cut)[0].rstrip())

@@ -13,6 +13,7 @@ import time
 import pytest
 import torch
 
+import mha
 import quality
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -534,3 +535,89 @@ def test_learning_rate_schedule():
 
 def test_clock():
     assert quality.clock(75.3) == "1:15" and quality.clock(0) == "0:00" and quality.clock(600) == "10:00"
+
+
+# ----------------------------------------------------------------------------- to_gqa (MHA -> GQA conversion)
+def gqa_module(d, h, kv, dtype=torch.float32, seed=0):
+    """A CausalMHA with PyTorch's weight init and random (non-zero) biases."""
+    torch.manual_seed(seed)
+    ours = mha.CausalMHA(d, h, kv).to(dtype)
+    with torch.no_grad():
+        ours.in_proj.bias.normal_(0.0, 0.1)
+        ours.out_proj.bias.normal_(0.0, 0.1)
+    return ours
+
+
+def tie_kv_heads_in_groups(attn, r):
+    """Make every group of r consecutive K/V heads equal (to its first head), in place."""
+    h, kv, dh = attn.n_heads, attn.n_kv_heads, attn.d_head
+    with torch.no_grad():
+        for t in (attn.in_proj.weight, attn.in_proj.bias):
+            for start in (h * dh, (h + kv) * dh):                  # K rows, then V rows
+                heads = t[start:start + kv * dh].unflatten(0, (kv // r, r, dh))  # (groups, r, dh, ...)
+                heads.copy_(heads[:, :1].expand_as(heads))
+    return attn
+
+
+@pytest.mark.parametrize("h, kv, new_kv", [(6, 6, 2), (6, 6, 1), (8, 8, 4), (8, 4, 2), (12, 6, 2), (8, 2, 2)])
+@pytest.mark.parametrize("pool", ["mean", "first"])
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-6), (torch.float64, 1e-12)])
+def test_to_gqa_of_equal_heads_is_the_same_function(h, kv, new_kv, pool, dtype, tol):
+    """Known answer: if each group's K/V heads are already equal, pooling them keeps the function, within
+    rounding: the narrower module multiplies matrices of another width, which MKL may round differently
+    (Intel CPUs under MKL_CBWR=AVX2 do), so this is a tolerance, not 0.0."""
+    attn = tie_kv_heads_in_groups(gqa_module(16 * h, h, kv, dtype, seed=11), kv // new_kv)
+    out = quality.to_gqa(attn, new_kv, pool=pool)
+    assert (out.n_heads, out.n_kv_heads, out.d_head) == (h, new_kv, 16)
+    for (name, p), (_, q) in zip(attn.to_torch().named_parameters(), out.to_torch().named_parameters()):
+        assert mha.relative_diff(q, p) <= tol, name        # a mean of 3 equal floats may round
+    x = torch.randn(2, 7, 16 * h, dtype=dtype)
+    with torch.no_grad():
+        y, y_out = attn(x), out(x)
+    assert mha.relative_diff(y_out, y) <= tol, f"{mha.relative_diff(y_out, y):.2e}"
+
+
+def test_to_gqa_of_different_heads_is_another_function():
+    """The tolerance above is not loose: pooling heads that differ moves the output far beyond it."""
+    attn = gqa_module(64, 4, 4, seed=3)
+    x = torch.randn(2, 7, 64)
+    with torch.no_grad():
+        assert mha.relative_diff(quality.to_gqa(attn, 2)(x), attn(x)) > 1e-3
+
+
+def test_to_gqa_mean_and_first_on_a_hand_made_module():
+    """4 K/V heads of width 1 with known values, pooled to 2: the mean or the first of each pair."""
+    attn = mha.CausalMHA(4, 4, 4)
+    with torch.no_grad():
+        attn.in_proj.weight.copy_(torch.arange(12.0).unsqueeze(1).expand(12, 4))   # row i is all i
+        attn.in_proj.bias.copy_(-torch.arange(12.0))
+    mean, first = quality.to_gqa(attn, 2), quality.to_gqa(attn, 2, pool="first")
+    assert mean.in_proj.weight[:, 0].tolist() == [0, 1, 2, 3, 4.5, 6.5, 8.5, 10.5]
+    assert first.in_proj.weight[:, 0].tolist() == [0, 1, 2, 3, 4, 6, 8, 10]
+    assert mean.in_proj.bias.tolist() == [-0.0, -1, -2, -3, -4.5, -6.5, -8.5, -10.5]
+    assert torch.equal(mean.out_proj.weight, attn.out_proj.weight)
+    assert quality.to_gqa(attn, 1).in_proj.weight[:, 0].tolist() == [0, 1, 2, 3, 5.5, 9.5]
+
+
+def test_to_gqa_copies_and_keeps_dtype_mode_and_bias():
+    attn = gqa_module(64, 4, 4, torch.float64).train(False)
+    out = quality.to_gqa(attn, 4)
+    assert out is not attn and out.in_proj.weight.dtype == torch.float64 and not out.training
+    assert torch.equal(out.in_proj.weight, attn.in_proj.weight)
+    out.in_proj.weight.data.zero_()
+    assert attn.in_proj.weight.abs().max() > 0                       # a copy, not a view
+    no_bias = quality.to_gqa(mha.CausalMHA(64, 4, 2, bias=False), 1)
+    assert no_bias.in_proj.bias is None and no_bias.n_kv_heads == 1
+
+
+@pytest.mark.parametrize("kv, pool, error, words", [
+    (3, "mean", ValueError, ["n_kv_heads=3", "positive divisor", "4 K/V heads"]),
+    (8, "mean", ValueError, ["n_kv_heads=8"]),
+    (0, "mean", ValueError, ["n_kv_heads=0"]),
+    (2.0, "mean", TypeError, ["whole number", "2.0"]),
+    (2, "max", ValueError, ["'max'", "'mean' or 'first'"]),
+])
+def test_to_gqa_refuses_in_one_sentence(kv, pool, error, words):
+    with pytest.raises(error) as e:
+        quality.to_gqa(mha.CausalMHA(64, 8, 4), kv, pool=pool)
+    assert all(w in str(e.value) for w in words) and "\n" not in str(e.value), str(e.value)
