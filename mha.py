@@ -79,7 +79,8 @@ def causal_mask(T, S, dtype=torch.float32):
     softmax, exp(-inf) = 0: a future key gets no weight at all).
 
     The T new tokens are the last T of the S keys, so token i sees keys 0 .. S - T + i.
-    causal_mask(2, 3) == [[0, 0, -inf], [0, 0, 0]]
+    causal_mask(3, 3) == [[0, -inf, -inf], [0, 0, -inf], [0, 0, 0]]   (a whole sequence: T == S)
+    causal_mask(2, 3) == [[0, 0, -inf], [0, 0, 0]]                    (2 new tokens after 1 cached)
     Not F.scaled_dot_product_attention(is_causal=True): with T < S it aligns the triangle top-left, so
     new token i would see only keys 0 .. i and miss most of the cache.
     """
@@ -120,12 +121,13 @@ def attend(q, k, v):
     B, h, T, dh = q.shape
     kv, S = k.shape[1], k.shape[2]
     g = h // kv
-    # A reshape keeps the order of (B, h, T, dh), so a sequence's h*T rows split into kv blocks of g*T: index
-    # b*kv + j of the first dimension is group j of sequence b. Its row r is query head j*g + r // T at
-    # token r % T. E.g. h=8, kv=2 (g=4), T=3: group 1 holds heads 4..7, its row 5 is head 4 + 5 // 3 = 5 at
-    # token 5 % 3 = 2.
+    # A reshape keeps the order of (B, h, T, dh), so a sequence's h*T rows split into kv blocks of g*T rows:
+    # block b*kv + j is group j of sequence b, and its row r is query head j*g + r // T at token r % T.
+    #     h=4, kv=2 (g=2), T=2, B=1:   block 0: q0t0 q0t1 q1t0 q1t1  -> all read k0, v0
+    #                                  block 1: q2t0 q2t1 q3t0 q3t1  -> all read k1, v1
+    # E.g. h=8, kv=2 (g=4), T=3: block 1 holds heads 4..7; its row 5 is head 4 + 5 // 3 = 5 at token 5 % 3 = 2.
     q = q.reshape(B * kv, g * T, dh) * math.sqrt(1.0 / dh)   # (B, h, T, dh) -> (B*kv, g*T, dh), scaled
-    k = k.reshape(B * kv, S, dh)                           # (B, kv, S, dh) -> (B*kv, S, dh): a cache's, in place
+    k = k.reshape(B * kv, S, dh)                           # (B, kv, S, dh) -> (B*kv, S, dh): a view, no copy
     v = v.reshape(B * kv, S, dh)                           # (B, kv, S, dh) -> (B*kv, S, dh)
     # The rows are g blocks of T tokens, so here .repeat is right: each block needs the same (T, S) mask.
     mask = causal_mask(T, S, q.dtype).repeat(g, 1)         # (T, S) -> (g*T, S)
@@ -197,12 +199,13 @@ class CausalMHA(nn.Module):
         check_call(self, x, need_weights, cache, fused)    # one sentence, before anything is written
         B, T, _ = x.shape
         h, kv, dh = self.n_heads, self.n_kv_heads, self.d_head
+        # Each token's q (h*dh numbers), k and v (kv*dh each) are cut into heads of dh numbers.
         # The textbook projects x as it is, (B, T, d), and splits off the heads with .view(B, T, h, dh)
         # .transpose(1, 2). We project time-major, (T, B, d), as nn.MultiheadAttention does: the same
         # numbers in the same places, but some CPUs round the two layouts differently in the last bit.
         qkv = self.in_proj(x.transpose(0, 1))              # (T, B, d) -> (T, B, (h + 2kv) dh)
         q, k, v = qkv.split([h * dh, kv * dh, kv * dh], dim=-1)
-        q = q.view(T, B, h, dh).permute(1, 2, 0, 3)        # (T, B, h, dh) -> (B, h, T, dh)
+        q = q.view(T, B, h, dh).permute(1, 2, 0, 3)        # (T, B, h, dh) -> (B, h, T, dh): dims 1, 2, 0, 3
         k = k.view(T, B, kv, dh).permute(1, 2, 0, 3)       # (T, B, kv, dh) -> (B, kv, T, dh)
         v = v.view(T, B, kv, dh).permute(1, 2, 0, 3)       # (T, B, kv, dh) -> (B, kv, T, dh)
         if cache is not None:
@@ -211,7 +214,7 @@ class CausalMHA(nn.Module):
             o, p = attend_fused(q, k, v), None             # (B, h, T, dh)
         else:
             o, p = attend(q, k, v)                         # (B, h, T, dh), (B, h, T, S)
-        o = o.permute(2, 0, 1, 3).reshape(T * B, h * dh)   # (B, h, T, dh) -> (T*B, d): heads side by side
+        o = o.permute(2, 0, 1, 3).reshape(T * B, h * dh)   # (B, h, T, dh) -> (T, B, h, dh) -> (T*B, d)
         y = self.out_proj(o).view(T, B, -1).transpose(0, 1)  # (T*B, d) -> (B, T, d)
         return (y, p) if need_weights else y
 
@@ -242,8 +245,8 @@ class CausalMHA(nn.Module):
         def widen(t):                                      # rows (h + 2kv) dh -> 3 h dh
             q, k, v = t.split([h * dh, kv * dh, kv * dh])
             heads = torch.arange(h) // (h // kv)           # each query head's K/V head: [0, 0, 1, 1] for h=4, kv=2
-            k = k.unflatten(0, (kv, dh))[heads]            # (kv, dh, ...) -> (h, dh, ...)
-            v = v.unflatten(0, (kv, dh))[heads]            # (kv, dh, ...) -> (h, dh, ...)
+            k = k.unflatten(0, (kv, dh))[heads]            # (kv dh, d) -> (kv, dh, d) -> (h, dh, d): a copy per head
+            v = v.unflatten(0, (kv, dh))[heads]            # the same for V
             return torch.cat([q, k.flatten(0, 1), v.flatten(0, 1)])          # (3 h dh, ...)
 
         ref = nn.MultiheadAttention(self.d_model, h, bias=self.in_proj.bias is not None, batch_first=True,
@@ -264,6 +267,7 @@ def max_diff_vs_torch(attn, x, ref=None, fused=False):
     ref = attn.to_torch() if ref is None else ref
     mask = causal_mask(x.shape[1], x.shape[1], x.dtype)    # (T, T)
     with torch.no_grad():
+        # nn.MultiheadAttention takes query, key and value inputs apart: all three are x in self-attention
         y_ref, w_ref = ref(x, x, x, attn_mask=mask, need_weights=not fused, average_attn_weights=False)
         if fused:
             return (attn(x, fused=True) - y_ref).abs().max().item(), None
@@ -381,9 +385,10 @@ def check_cache(n_kv_heads, seed):
 #     floor = max(bytes / read rate, FLOPs / FLOP rate)                                  (the roofline)
 # E.g. MHA at 8192 tokens, fp32: 134 MFLOP on 268 MB. At 20 GB/s and 100 GFLOP/s the read takes 13.4 ms and
 # the arithmetic 1.3 ms: the step waits on memory. MQA reads 32x fewer bytes (0.4 ms), so its FLOPs decide.
-# Which one decides is told by the FLOPs per byte, g / 2 in fp32, against the ridge, FLOP rate / read rate.
-# Both rates are measured in the same run: a sum of each step's own K and V (a few MB come from the CPU's
-# caches faster than hundreds of MB from memory), and a big square matmul, the fastest this CPU computes.
+# Which one decides is told by the FLOPs per byte, g / 2 in fp32 (h queries share each of kv heads' bytes),
+# against the ridge, FLOP rate / read rate: below it the bytes decide, above it the FLOPs. Both rates are
+# measured in the same run: a sum of each step's own K and V (how fast bytes come depends on how many there
+# are and where they lie), and a big square matmul, the fastest this CPU computes.
 def decode_flops(n_heads, d_head, S):
     """FLOPs of one new token's attention over S keys: 4 h S dh.  decode_flops(32, 128, 4096) == 67108864"""
     return 4 * n_heads * S * d_head
@@ -582,7 +587,8 @@ def print_decode_table(timing, problems):
           f"fp32,\n   best of {timing.rounds} rounds on {machine_name()}. Ceilings measured in the same rounds: a "
           f"{MATMUL_N}x{MATMUL_N} matmul\n   at {timing.flops / 1e9:.0f} GFLOP/s, and each step's own K and V read "
           f"(a sum); from memory the ridge is at {ridge:.1f} FLOPs/byte.")
-    print(f"   At {s_max} tokens:  floor = max(bytes / read rate, FLOPs / matmul rate)")
+    print(f"   At {s_max} tokens:  floor = max(bytes / read rate, FLOPs / matmul rate), with each row's own read "
+          "rate;\n   bound: the ceiling that sets the floor, 'ridge' where the two times lie within 1 %")
     print(f"   {'config':<7}{'FLOP/byte':>10}{'read GB/s':>11}  {'bound':<8}{'floor ms':>9}{'measured':>10}{'reaches':>9}")
     for kv in kinds:
         (floor, bound), t = timing.floor(kv, s_max), timing.steps[kv][-1]
@@ -597,8 +603,8 @@ def print_decode_table(timing, problems):
           f"{timing.steps[h][-1] / timing.steps[fewest][-1]:.1f}x faster. Between measured and floor: a\n"
           "   step's matmuls have few query rows per K/V head, and PyTorch runs those slower than a sum reads\n"
           "   or a square matmul computes (LABNOTES.md measures both).\n"
-          f"   An {gpu_name}'s ridge is at {gpu_flops / gpu_bandwidth:.0f} FLOPs per byte and a bf16 step does g: there "
-          "all of these wait on memory.")
+          f"   An {gpu_name}'s ridge is at {gpu_flops / gpu_bandwidth:.0f} FLOPs per byte, and a step on 2-byte bf16 "
+          "numbers does g\n   FLOPs per byte: there all of these wait on memory.")
 
 
 # ----------------------------------------------------------------------------- figures
@@ -612,6 +618,7 @@ def plot_attention_maps(n_kv_heads, seed):
     rows = math.ceil(N_HEADS / cols)
     fig = new_figure(2.2 * cols + 1.2, 2.3 * rows + 0.7)
     axes = fig.subplots(rows, cols, squeeze=False).flatten()
+    fig.subplots_adjust(left=0.07, right=0.88, bottom=0.1, top=1 - 0.7 / (2.3 * rows + 0.7), hspace=0.3)
     for i, ax in enumerate(axes[:N_HEADS]):
         im = ax.imshow(p[0, i].numpy(), cmap="viridis", vmin=0.0, vmax=1.0)
         ax.set_title(f"query head {i} (K/V head {i // (N_HEADS // n_kv_heads)})", fontsize=9)
@@ -620,7 +627,7 @@ def plot_attention_maps(n_kv_heads, seed):
         ax.set_axis_off()
     axes[(rows - 1) * cols].set_xlabel("key position", fontsize=8)
     axes[(rows - 1) * cols].set_ylabel("query position", fontsize=8)
-    fig.colorbar(im, ax=axes.tolist(), shrink=0.8, label="attention probability")
+    fig.colorbar(im, cax=fig.add_axes([0.9, 0.15, 0.015, 0.65]), label="attention probability")
     fig.suptitle(f"Per-head causal attention, {attention_kind(N_HEADS, n_kv_heads)}: {N_HEADS} query heads share "
                  f"{n_kv_heads} K/V heads, d={D_MODEL}, T={SEQ_LEN}\nrandom untrained weights: each row sums "
                  "to 1 over the keys at or before the query", fontsize=10)
@@ -631,6 +638,7 @@ def plot_cache_sizes():
     """KV-cache GB of the Llama-7B shape per configuration, against context, each labelled at CACHE_TOKENS."""
     fig = new_figure(8, 4.8)
     ax = fig.subplots()
+    fig.subplots_adjust(left=0.1, right=0.97, bottom=0.12, top=0.86)
     context = [2 ** i for i in range(9, 18)]               # 512 .. 131072 tokens
     for i, kv in enumerate(LLAMA_KV_HEADS):
         kind, at = attention_kind(LLAMA_HEADS, kv), llama_cache_bytes(kv) / 1e9
@@ -652,7 +660,9 @@ def plot_head_layout(n_kv_heads):
     """Which query heads read which K/V head, for every valid n_kv_heads of the demo model."""
     from matplotlib.patches import Rectangle
     options = [kv for kv in range(N_HEADS, 0, -1) if N_HEADS % kv == 0]
-    fig = new_figure(max(6.0, 0.75 * N_HEADS + 2.5), 1.5 * len(options) + 0.6)
+    height = 1.5 * len(options) + 0.6
+    fig = new_figure(max(6.0, 0.75 * N_HEADS + 2.5), height)
+    fig.subplots_adjust(left=0.02, right=0.98, bottom=0.02, top=1 - 0.75 / height, hspace=0.35)
     for ax, kv in zip(fig.subplots(len(options), 1, squeeze=False)[:, 0], options):
         g, mine = N_HEADS // kv, kv == n_kv_heads
         for i in range(N_HEADS):                           # query heads, top row, coloured by their K/V head
@@ -678,6 +688,7 @@ def plot_decode_time(timing, problems):
     h, dh, contexts, s_max = LLAMA_HEADS, LLAMA_D_HEAD, timing.contexts, max(timing.contexts)
     fig = new_figure(13, 5.4)
     left, right = fig.subplots(1, 2)
+    fig.subplots_adjust(left=0.06, right=0.99, bottom=0.11, top=0.82, wspace=0.2)
     flops = decode_flops(h, dh, s_max)
     for i, (kv, row) in enumerate(timing.steps.items()):
         kind = attention_kind(h, kv)
@@ -722,10 +733,11 @@ def log_axes(ax, xticks, yticks):
     ax.minorticks_off()
 
 
-def new_figure(width, height, layout="constrained"):
-    """A matplotlib Figure on the Agg canvas (no display, no global pyplot state); layout=None to place by hand."""
+def new_figure(width, height):
+    """A matplotlib Figure on the Agg canvas: no display, no global pyplot state. Each plot places its axes by
+    hand (subplots_adjust): matplotlib's automatic layouts would double the time the figures take."""
     from matplotlib.figure import Figure
-    return Figure(figsize=(width, height), layout=layout)
+    return Figure(figsize=(width, height))
 
 
 def png_bytes(fig):

@@ -565,7 +565,7 @@ def plot_quality(scratch, steps, ablation, roles, chance, seed):
     """Left: A's loss against KV-cache bytes per token. Right: D, each head's loss rise alone, coloured by its
     role in C."""
     from matplotlib.patches import Patch
-    fig = mha.new_figure(16, 5.5, layout=None)
+    fig = mha.new_figure(16, 5.5)
     left, right = fig.subplots(1, 2, gridspec_kw={"width_ratios": [1, 2]})
     for name, kv in CONFIGS.items():
         losses, color = [run[1] for run in scratch[name].values()], COLORS.get(name)
@@ -606,7 +606,7 @@ def plot_trained_maps(model, data, seed, steps, best):
     text = data.val_text[start:start + PASSAGE]
     maps = attention_maps(model, data.val[start:start + PASSAGE][None])   # (1, T) -> each (1, h, T, T)
     cols, rows = 4, N_LAYERS * N_HEADS // 4
-    fig = mha.new_figure(3.2 * cols + 1, 3.2 * rows + 0.8, layout=None)
+    fig = mha.new_figure(3.2 * cols + 1, 3.2 * rows + 0.8)
     labels = [{" ": "\u2423", "\n": "\u21b5"}.get(c, c) for c in text]   # a space as an open box, a newline as ↵
     for k, ax in enumerate(fig.subplots(rows, cols, squeeze=False).flat):
         layer, head = divmod(k, N_HEADS)
