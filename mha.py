@@ -121,13 +121,14 @@ def attend(q, k, v):
     B, h, T, dh = q.shape
     kv, S = k.shape[1], k.shape[2]
     g = h // kv
-    # A reshape keeps the order of (B, h, T, dh), so a sequence's h*T rows split into kv blocks of g*T rows:
-    # block b*kv + j is group j of sequence b, and its row r is query head j*g + r // T at token r % T.
+    # A reshape keeps the order of the indices, batch, then head, then token, so the g heads of a group lie
+    # next to each other and fall into one block of g*T rows: block b*kv + j is group j of sequence b, and its
+    # row r is query head j*g + r // T at token r % T.
     #     h=4, kv=2 (g=2), T=2, B=1:   block 0: q0t0 q0t1 q1t0 q1t1  -> all read k0, v0
     #                                  block 1: q2t0 q2t1 q3t0 q3t1  -> all read k1, v1
     # E.g. h=8, kv=2 (g=4), T=3: block 1 holds heads 4..7; its row 5 is head 4 + 5 // 3 = 5 at token 5 % 3 = 2.
-    q = q.reshape(B * kv, g * T, dh) * math.sqrt(1.0 / dh)   # (B, h, T, dh) -> (B*kv, g*T, dh), scaled
-    k = k.reshape(B * kv, S, dh)                           # (B, kv, S, dh) -> (B*kv, S, dh): a view, no copy
+    q = q.reshape(B * kv, g * T, dh) * math.sqrt(1.0 / dh)   # (B, h, T, dh) -> (B*kv, g*T, dh); PyTorch's scaling
+    k = k.reshape(B * kv, S, dh)                           # (B, kv, S, dh) -> (B*kv, S, dh): a cache's K, not copied
     v = v.reshape(B * kv, S, dh)                           # (B, kv, S, dh) -> (B*kv, S, dh)
     # The rows are g blocks of T tokens, so here .repeat is right: each block needs the same (T, S) mask.
     mask = causal_mask(T, S, q.dtype).repeat(g, 1)         # (T, S) -> (g*T, S)
@@ -487,13 +488,13 @@ def print_cache_tables(n_kv_heads):
     print("   bytes = 2 (K and V) x layers x K/V heads x dh x tokens x bytes per number")
     mha_bytes = llama_cache_bytes(LLAMA_HEADS)
     print(f"   GB = 1e9 bytes: MHA's {mha_bytes:,} bytes are {mha_bytes / 1e9:.2f} GB but {mha_bytes / 2**30:.2f} GiB")
-    g = N_HEADS // n_kv_heads                              # query heads per K/V head in the demo
+    g, demo = N_HEADS // n_kv_heads, attention_kind(N_HEADS, n_kv_heads)   # query heads per K/V head in the demo
     same_g = LLAMA_HEADS // g if LLAMA_HEADS % g == 0 else None
     rows = set(LLAMA_KV_HEADS) if same_g is None else set(LLAMA_KV_HEADS) | {same_g}
     print(f"   {'config':<8}{'n_kv_heads':>11}{'KV cache':>11}{'shrink':>8}")
     for kv in sorted(rows, reverse=True):
         n = llama_cache_bytes(kv)
-        note = f"   <- g = {g} query heads per K/V head, as in your demo" if kv == same_g else ""
+        note = f"   <- g = {g} query heads per K/V head, as in your demo's {demo}" if kv == same_g else ""
         print(f"   {attention_kind(LLAMA_HEADS, kv):<8}{kv:>11}{n / 1e9:>8.2f} GB{mha_bytes // n:>7}x{note}")
 
     print(f"\n3. Published models at their own shapes ({CACHE_BYTES_PER_ELEM}-byte numbers, {CACHE_TOKENS} tokens, batch 1): "
