@@ -75,7 +75,7 @@ def verdict(ok):
 # ----------------------------------------------------------------------------- 1. forward
 def forward_times(B, T, d, h, rounds=ROUNDS):
     """Per-round seconds of ours and nn.MultiheadAttention on one (B, T, d) input, same weights, like with
-    like: fused against PyTorch's default path, written out against its need_weights=True path."""
+    like: fused against PyTorch's need_weights=False path, written out against its need_weights=True path."""
     torch.manual_seed(0)
     ref = nn.MultiheadAttention(d, h, batch_first=True).eval()
     ours = mha.CausalMHA.from_torch(ref)

@@ -5,11 +5,13 @@ Multi-head attention, and its grouped-query (GQA) and multi-query (MQA) variants
      (MHA, Vaswani et al. 2017); a divisor of n_heads is grouped-query attention (GQA, Ainslie et al. 2023),
      where each group of query heads shares one key/value head; 1 is multi-query attention (MQA, Shazeer 2019).
   2. The attention written out twice: the textbook form, softmax(q k^T / sqrt(dh) + mask) v with each K/V head
-     copied to its query heads, then attend(), the same numbers without the copies. PyTorch's fused call too.
-  3. The proof that every reshape is right: with the weights of PyTorch's nn.MultiheadAttention copied in,
-     CausalMHA gives the same output to the last bit (max difference exactly 0.0).
+     copied to its query heads, then attend(), the same result without the copies. PyTorch's fused call too.
+  3. The proof that the reshapes are right: with the weights of PyTorch's nn.MultiheadAttention copied in, MHA
+     gives the same output to the last bit (max difference exactly 0.0); GQA and MQA within 2e-6 of three
+     references that copy their K/V heads.
   4. The KV cache in bytes for real models: with many requests, it caps how many a GPU serves at once.
-  5. Decoding with a real cache, and the least time a decode step can take on this machine (the roofline).
+  5. Decoding with a real cache, and a lower bound on a decode step's time from two ceilings of this machine,
+     measured (the roofline).
 After main(): the tables, the figures and the plumbing (bad input ends in one sentence). A reader can skip it.
 
 Not here: training (quality.py measures what GQA costs; mla.py shows what comes after it), dropout, padding
@@ -91,9 +93,10 @@ def attend_textbook(q, k, v):
     """softmax(q k^T / sqrt(dh) + causal mask) v, head by head, as textbooks write it; returns o and p.
 
     q: (B, h, T, dh), the queries of the T newest tokens; k, v: (B, kv, S, dh), the keys and values of all
-    S tokens so far, the T newest last. A query scores every key by a dot product; a sum of dh products grows
-    like sqrt(dh), so dividing by it keeps the softmax from saturating; the softmax turns a query's scores
-    into weights p that sum to 1; its output o is the weighted average of the values, (B, h, T, dh).
+    S tokens so far, the T newest last. A query scores every key by a dot product; a sum of dh products of
+    random numbers has a standard deviation of sqrt(dh), so dividing by it keeps the softmax from saturating;
+    the softmax turns a query's scores into weights p that sum to 1; its output o is the weighted average of
+    the values, (B, h, T, dh).
     For GQA each K/V head is first copied to the g query heads of its group (here h=4, kv=2, g=2):
 
         query heads   q0  q1 | q2  q3          the same picture as k.repeat_interleave(g, dim=1),
@@ -113,7 +116,8 @@ def attend(q, k, v):
     """The same attention without the copies: CausalMHA's default path, and the one timed in section 5.
 
     Copying each K/V head g times would cost as much memory as MHA's cache. Instead, the g query heads of a
-    group are stacked as the g*T rows of one "head", which reads its K/V head once, where it lies. With
+    group are stacked as the g*T rows of one "head", which reads its K/V head once (a cache's where it lies;
+    without a cache and with B > 1, reshape makes one contiguous copy of the new K and V, never g). With
     g = 1 (MHA) nothing is stacked, and this is the textbook form in nn.MultiheadAttention's own operations
     and order (q scaled first; the mask added by baddbmm), so that MHA equals PyTorch's to the last bit.
     Shapes as in attend_textbook.
@@ -139,10 +143,10 @@ def attend(q, k, v):
 
 
 def attend_fused(q, k, v):
-    """The same attention in PyTorch's one fused call, the one nn.MultiheadAttention runs by default.
+    """The same attention in PyTorch's one fused call, the one nn.MultiheadAttention(need_weights=False) runs.
 
-    Faster, since it never stores p; it scales by 1 / sqrt(dh) itself and rounds differently from attend() in
-    the last bit. A decode step (T = 1) needs no mask: a single new token sees every key.
+    It never stores p, which often makes it faster; it scales by 1 / sqrt(dh) itself and rounds differently
+    from attend() in the last bit. A decode step (T = 1) needs no mask: a single new token sees every key.
     """
     B, h, T, dh = q.shape
     kv, S = k.shape[1], k.shape[2]
@@ -195,8 +199,8 @@ class CausalMHA(nn.Module):
     def forward(self, x, need_weights=False, cache=None, fused=False):
         """x: (B, T, d) -> y: (B, T, d), or (y, attention weights (B, h, T, S)) with need_weights.
 
-        With a cache, x holds only the new tokens: their keys and values are appended to the cache, and they
-        attend to all cached before them and to each other. fused=True: attend_fused (faster, no weights)."""
+        With a cache, x holds only the new tokens: their keys and values are appended to the cache, and each
+        attends to all cached tokens and to the new ones up to itself. fused=True: attend_fused (faster, no weights)."""
         check_call(self, x, need_weights, cache, fused)    # one sentence, before anything is written
         B, T, _ = x.shape
         h, kv, dh = self.n_heads, self.n_kv_heads, self.d_head
@@ -246,7 +250,7 @@ class CausalMHA(nn.Module):
         def widen(t):                                      # rows (h + 2kv) dh -> 3 h dh
             q, k, v = t.split([h * dh, kv * dh, kv * dh])
             heads = torch.arange(h) // (h // kv)           # each query head's K/V head: [0, 0, 1, 1] for h=4, kv=2
-            k = k.unflatten(0, (kv, dh))[heads]            # (kv dh, d) -> (kv, dh, d) -> (h, dh, d): a copy per head
+            k = k.unflatten(0, (kv, dh))[heads]            # (kv dh, ...) -> (kv, dh, ...) -> (h, dh, ...); ... = d or none
             v = v.unflatten(0, (kv, dh))[heads]            # the same for V
             return torch.cat([q, k.flatten(0, 1), v.flatten(0, 1)])          # (3 h dh, ...)
 
@@ -262,8 +266,9 @@ def max_diff_vs_torch(attn, x, ref=None, fused=False):
     """max |ours - nn.MultiheadAttention| on x: (output, per-head weights or None); ref: attn.to_torch().
 
     Written out, ours meets PyTorch's need_weights=True path, which writes attention out in the same order;
-    fused, its default path, which calls the same fused kernel. Both get a float causal mask: with a bool
-    mask, in eval mode, nn.MultiheadAttention takes a third path (its fast path) that rounds otherwise.
+    fused, its need_weights=False path, which calls the same fused kernel. Both get a float causal mask: with
+    a bool mask, in eval mode under no_grad, nn.MultiheadAttention takes a third path (its fast path) that
+    rounds otherwise.
     """
     ref = attn.to_torch() if ref is None else ref
     mask = causal_mask(x.shape[1], x.shape[1], x.dtype)    # (T, T)
@@ -315,19 +320,20 @@ def run_checks(n_kv_heads, seed):
     y_diff, w_diff = max_diff_vs_torch(copy, x, ref)
     ok = report("MHA   written out vs nn.MHA(need_weights=True)", y_diff, 0.0)
     ok &= report("MHA   the same, per-head weights", w_diff, 0.0)
-    ok &= report("MHA   fused vs nn.MHA's default path", max_diff_vs_torch(copy, x, ref, fused=True)[0], 0.0)
+    ok &= report("MHA   fused vs nn.MHA(need_weights=False)", max_diff_vs_torch(copy, x, ref, fused=True)[0], 0.0)
     with torch.no_grad():                                  # PyTorch's own two paths, against each other
         mask = causal_mask(SEQ_LEN, SEQ_LEN)
         own = (ref(x, x, x, attn_mask=mask)[0] - ref(x, x, x, attn_mask=mask, need_weights=False)[0]).abs().max()
-    print(f"  {'      PyTorch need_weights=True vs its default path':<52} = {own:.2e}  (its own two orders)")
+    print(f"  {'      PyTorch need_weights=True vs =False':<52} = {own:.2e}  (its own two orders)")
 
     kind = attention_kind(N_HEADS, n_kv_heads)
     ours = random_module(n_kv_heads, seed + 1)
     y_diff, w_diff = max_diff_vs_torch(ours, x)
     ok &= report(f"{kind:<5} written out vs nn.MHA, K/V heads repeated", y_diff, 2e-6)
     ok &= report(f"{kind:<5} the same, per-head weights", w_diff, 2e-6)
-    ok &= report(f"{kind:<5} fused vs that nn.MHA's default path", max_diff_vs_torch(ours, x, fused=True)[0], 2e-6)
-    textbook, sdpa = max_diffs_vs_copying(ours, x)
+    ok &= report(f"{kind:<5} fused vs that nn.MHA(need_weights=False)", max_diff_vs_torch(ours, x, fused=True)[0],
+                 2e-6)
+    textbook, sdpa = max_diffs_vs_copying(ours, x)         # attend_textbook and F.sdpa(enable_gqa=True) (after main)
     ok &= report(f"{kind:<5} written out vs the textbook, K/V copied", textbook, 2e-6)
     ok &= report(f"{kind:<5} written out vs F.sdpa(enable_gqa=True)", sdpa, 2e-6)
 
@@ -353,8 +359,9 @@ def llama_cache_bytes(n_kv_heads, tokens=CACHE_TOKENS):
 
 # ----------------------------------------------------------------------------- decoding with a cache
 # A model generates one token at a time, and each new token attends to every token before it. Their keys
-# and values never change, so they are kept (the KV cache), and each step projects the new token alone:
-# forward(x_new, cache=...). It must give the same outputs as one forward over the whole sequence.
+# and values never change (causal: no token sees a later one, in any layer), so they are kept, the KV cache,
+# and each step projects the new token alone: forward(x_new, cache=...). Queries are not kept: only the new
+# token's is ever used. Cached, the outputs must be those of one forward over the whole sequence.
 def check_cache(n_kv_heads, seed):
     """Real caches: their bytes against the formula, and cached decoding against one full forward."""
     ok, max_len = True, 512
@@ -386,10 +393,10 @@ def check_cache(n_kv_heads, seed):
 #     floor = max(bytes / read rate, FLOPs / FLOP rate)                                  (the roofline)
 # E.g. MHA at 8192 tokens, fp32: 134 MFLOP on 268 MB. At 20 GB/s and 100 GFLOP/s the read takes 13.4 ms and
 # the arithmetic 1.3 ms: the step waits on memory. MQA reads 32x fewer bytes (0.4 ms), so its FLOPs decide.
-# Which one decides is told by the FLOPs per byte, g / 2 in fp32 (h queries share each of kv heads' bytes),
-# against the ridge, FLOP rate / read rate: below it the bytes decide, above it the FLOPs. Both rates are
-# measured in the same run: a sum of each step's own K and V (how fast bytes come depends on how many there
-# are and where they lie), and a big square matmul, the fastest this CPU computes.
+# Which one decides is told by the FLOPs per byte, 4 h S dh / (2 kv S dh x 4 bytes) = h / (2 kv) = g / 2 in
+# fp32, against the ridge, FLOP rate / read rate: below it the bytes decide, above it the FLOPs. Both rates
+# are measured in the same run: a sum of each step's own K and V (how fast bytes come depends on how many
+# there are and where they lie), and a 512x512 matmul, a proxy for the fastest this CPU computes.
 def decode_flops(n_heads, d_head, S):
     """FLOPs of one new token's attention over S keys: 4 h S dh.  decode_flops(32, 128, 4096) == 67108864"""
     return 4 * n_heads * S * d_head
@@ -433,7 +440,7 @@ def main(argv=None):
     print_cache_tables(kv)
     ok &= check_cache(kv, args.seed)
     timing = measure_decode(DECODE_CONTEXTS, LLAMA_KV_HEADS, DECODE_ROUNDS)
-    problems = timing_contradictions(timing)
+    problems = timing_contradictions(timing)              # what a quiet machine could not have measured
     print_decode_table(timing, problems)
 
     figures = [plot_attention_maps(kv, args.seed), plot_cache_sizes(), plot_head_layout(kv),
@@ -583,11 +590,11 @@ def timing_contradictions(timing, slack=0.1, elsewhere=0.25):
 def print_decode_table(timing, problems):
     """Section 5: the ceilings and floors at the longest context, and what they say (every context is drawn)."""
     h, kinds, s_max = LLAMA_HEADS, list(timing.steps), max(timing.contexts)
-    ridge = timing.ceilings(h, s_max).ridge                # from memory: MHA's K and V do not fit in the caches
+    ridge = timing.ceilings(h, s_max).ridge                # MHA's K and V at the longest context: the most bytes
     print(f"\n5. Decode step: one layer's attention (attend) over its cache, {h} query heads, dh={LLAMA_D_HEAD}, "
           f"fp32,\n   best of {timing.rounds} rounds on {machine_name()}. Ceilings measured in the same rounds: a "
           f"{MATMUL_N}x{MATMUL_N} matmul\n   at {timing.flops / 1e9:.0f} GFLOP/s, and each step's own K and V read "
-          f"(a sum); from memory the ridge is at {ridge:.1f} FLOPs/byte.")
+          f"(a sum); ridge with MHA's read at {s_max} tokens: {ridge:.1f} FLOPs/byte.")
     print(f"   At {s_max} tokens:  floor = max(bytes / read rate, FLOPs / matmul rate), with each row's own read "
           "rate;\n   bound: the ceiling that sets the floor, 'ridge' where the two times lie within 1 %")
     print(f"   {'config':<7}{'FLOP/byte':>10}{'read GB/s':>11}  {'bound':<8}{'floor ms':>9}{'measured':>10}{'reaches':>9}")
@@ -605,7 +612,7 @@ def print_decode_table(timing, problems):
           "   step's matmuls have few query rows per K/V head, and PyTorch runs those slower than a sum reads\n"
           "   or a square matmul computes (LABNOTES.md measures both).\n"
           f"   An {gpu_name}'s ridge is at {gpu_flops / gpu_bandwidth:.0f} FLOPs per byte, and a step on 2-byte bf16 "
-          "numbers does g\n   FLOPs per byte: there all of these wait on memory.")
+          "numbers does g\n   FLOPs per byte: there all of these lie below the ridge, whatever the batch.")
 
 
 # ----------------------------------------------------------------------------- figures
@@ -853,7 +860,8 @@ def parse_args(argv=None):
     args = parser.parse_args(argv)
     try:
         check_sizes(D_MODEL, N_HEADS, args.n_kv_heads)
-        check_counts([("CACHE_TOKENS", CACHE_TOKENS, 1), ("CACHE_BYTES_PER_ELEM", CACHE_BYTES_PER_ELEM, 1),
+        check_counts([("SEQ_LEN", SEQ_LEN, 2), ("BATCH", BATCH, 1), ("DECODE_ROUNDS", DECODE_ROUNDS, 1),
+                      ("CACHE_TOKENS", CACHE_TOKENS, 1), ("CACHE_BYTES_PER_ELEM", CACHE_BYTES_PER_ELEM, 1),
                       *((f"DECODE_CONTEXTS[{i}]", S, 1) for i, S in enumerate(DECODE_CONTEXTS))])
     except (TypeError, ValueError) as e:
         parser.error(str(e))

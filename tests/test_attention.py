@@ -41,7 +41,7 @@ SHAPES = [(256, 8), (384, 8), (192, 8), (512, 8)]
 @pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("bias", [True, False])
 def test_mha_is_bit_identical_to_torch(dtype, d, h, T, train, fused, bias):
-    """Written out against need_weights=True, fused against the default path: the same operations, in the
+    """Written out against need_weights=True, fused against need_weights=False: the same operations, in the
     same order, on the same shapes, so 0.0 on every CPU and MKL path."""
     ref = torch_mha(d, h, dtype, bias).train(train)
     ours = mha.CausalMHA.from_torch(ref)

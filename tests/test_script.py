@@ -34,7 +34,7 @@ def test_default_run_prints_the_evidence(two_runs):
     assert r.returncode == 0 and r.stderr == "", r.stderr
     out = r.stdout
     for start in ["MHA   written out vs nn.MHA(need_weights=True)", "MHA   the same, per-head weights",
-                  "MHA   fused vs nn.MHA's default path"]:
+                  "MHA   fused vs nn.MHA(need_weights=False)"]:
         assert line_with(out, start).endswith("= 0.00e+00  OK  (must be exactly 0)"), start
     assert "FAIL, as it must" in out and "NOT DETECTED" not in out
     for row in ["MHA              32    2.15 GB      1x", "MQA               1    0.07 GB     32x",
@@ -45,9 +45,9 @@ def test_default_run_prints_the_evidence(two_runs):
 
 
 def test_comparable_masks_only_tolerance_values_and_pytorch_against_itself():
-    exact = "  MHA   fused vs nn.MHA's default path  = 0.00e+00  OK  (must be exactly 0)"
+    exact = "  MHA   fused vs nn.MHA(need_weights=False)  = 0.00e+00  OK  (must be exactly 0)"
     tol = "  GQA-4 written out vs F.sdpa(enable_gqa=True)  = 1.19e-07  OK  (tolerance 2e-06)"
-    own = "        PyTorch need_weights=True vs its default path  = 1.79e-07  (its own two orders)"
+    own = "        PyTorch need_weights=True vs =False  = 1.79e-07  (its own two orders)"
     assert comparable(exact) == [exact] and comparable(exact) != comparable(exact.replace("0.00e+00", "2.38e-07"))
     assert comparable(tol) == comparable(tol.replace("1.19e-07", "1.79e-07")) != [tol]
     assert comparable(own) == comparable(own.replace("1.79e-07", "0.00e+00"))
@@ -171,6 +171,9 @@ def test_bad_flag_from_the_shell_exits_2_without_traceback(tmp_path):
     ("CACHE_BYTES_PER_ELEM", 0.5, ["CACHE_BYTES_PER_ELEM", "whole number", "0.5"]),
     ("DECODE_CONTEXTS", (), ["DECODE_CONTEXTS", "at least one"]),
     ("DECODE_CONTEXTS", (512, -8), ["DECODE_CONTEXTS[1]=-8"]),
+    ("SEQ_LEN", 1, ["SEQ_LEN=1", "at least 2"]),           # the cache check feeds a prompt, then one token more
+    ("BATCH", 0, ["BATCH=0", "at least 1"]),
+    ("DECODE_ROUNDS", 0, ["DECODE_ROUNDS=0", "at least 1"]),
 ])
 def test_a_knob_that_cannot_work_is_refused_at_start(knob, value, words, monkeypatch, tmp_path, capsys):
     monkeypatch.setattr(mha, knob, value)
