@@ -113,14 +113,11 @@ def attend_textbook(q, k, v):
 
 
 def attend(q, k, v):
-    """The same attention without the copies: CausalMHA's default path, and the one timed in section 5.
+    """attend_textbook without the copies (shapes as there): CausalMHA's default path, timed in section 5.
 
-    Copying each K/V head g times would cost as much memory as MHA's cache. Instead, the g query heads of a
-    group are stacked as the g*T rows of one "head", which reads its K/V head once (a cache's where it lies;
-    without a cache and with B > 1, reshape makes one contiguous copy of the new K and V, never g). With
-    g = 1 (MHA) nothing is stacked, and this is the textbook form in nn.MultiheadAttention's own operations
-    and order (q scaled first; the mask added by baddbmm), so that MHA equals PyTorch's to the last bit.
-    Shapes as in attend_textbook.
+    The g query heads of a group are stacked as the g*T rows of one "head", which reads its K/V head once,
+    never g copies of it. With g = 1 (MHA) nothing is stacked, and this is the textbook form in
+    nn.MultiheadAttention's own operations and order (q scaled first, the mask added by baddbmm): the same bits.
     """
     B, h, T, dh = q.shape
     kv, S = k.shape[1], k.shape[2]
