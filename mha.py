@@ -78,9 +78,9 @@ def attention_kind(n_heads, n_kv_heads):
 
 def causal_mask(T, S, dtype=torch.float32):
     """(T, S) additive mask: 0 where new token i may see key j, -inf where j lies in its future (after the
-    softmax, exp(-inf) = 0: a future key gets no weight at all).
-
-    The T new tokens are the last T of the S keys, so token i sees keys 0 .. S - T + i.
+    softmax, exp(-inf) = 0: a future key gets no weight at all). The T new tokens are the last T of the S
+    keys (T < S only when decoding with a cache, section 4), so token i sees keys 0 .. S - T + i:
+    triu(S - T + 1) keeps the -inf where j - i >= S - T + 1.
     causal_mask(3, 3) == [[0, -inf, -inf], [0, 0, -inf], [0, 0, 0]]   (a whole sequence: T == S)
     causal_mask(2, 3) == [[0, 0, -inf], [0, 0, 0]]                    (2 new tokens after 1 cached)
     Not F.scaled_dot_product_attention(is_causal=True): with T < S it aligns the triangle top-left, so
@@ -103,8 +103,7 @@ def attend_textbook(q, k, v):
         K/V heads       k0   |   k1            [k0, k0, k1, k1]; NOT k.repeat(1, g, 1, 1),
                                                [k0, k1, k0, k1], which silently pairs q1 with k1.
     """
-    T, S, dh = q.shape[2], k.shape[2], q.shape[3]
-    g = q.shape[1] // k.shape[1]
+    T, S, dh, g = q.shape[2], k.shape[2], q.shape[3], q.shape[1] // k.shape[1]
     k = k.repeat_interleave(g, dim=1)                      # (B, kv, S, dh) -> (B, h, S, dh): query head i gets i // g
     v = v.repeat_interleave(g, dim=1)                      # (B, kv, S, dh) -> (B, h, S, dh)
     scores = q @ k.transpose(-2, -1) / math.sqrt(dh) + causal_mask(T, S, q.dtype)   # (B, h, T, S)
@@ -128,11 +127,13 @@ def attend(q, k, v):
     #     h=4, kv=2 (g=2), T=2, B=1:   block 0: q0t0 q0t1 q1t0 q1t1  -> all read k0, v0
     #                                  block 1: q2t0 q2t1 q3t0 q3t1  -> all read k1, v1
     # E.g. h=8, kv=2 (g=4), T=3: block 1 holds heads 4..7; its row 5 is head 4 + 5 // 3 = 5 at token 5 % 3 = 2.
-    q = q.reshape(B * kv, g * T, dh) * math.sqrt(1.0 / dh)   # (B, h, T, dh) -> (B*kv, g*T, dh); PyTorch's scaling
+    # PyTorch multiplies q by sqrt(1 / dh); dividing by sqrt(dh) would differ in the last bit.
+    q = q.reshape(B * kv, g * T, dh) * math.sqrt(1.0 / dh)   # (B, h, T, dh) -> (B*kv, g*T, dh)
     k = k.reshape(B * kv, S, dh)                           # (B, kv, S, dh) -> (B*kv, S, dh): a cache's K, not copied
     v = v.reshape(B * kv, S, dh)                           # (B, kv, S, dh) -> (B*kv, S, dh)
     # The rows are g blocks of T tokens, so here .repeat is right: each block needs the same (T, S) mask.
     mask = causal_mask(T, S, q.dtype).repeat(g, 1)         # (T, S) -> (g*T, S)
+    # One matrix product per block: its K/V head is read once for all g query heads.
     scores = torch.baddbmm(mask, q, k.transpose(1, 2))     # baddbmm(M, A, B) = M + A @ B: (B*kv, g*T, S)
     p = scores.softmax(dim=-1)                             # (B*kv, g*T, S): each row sums to 1
     o = torch.bmm(p, v)                                    # (B*kv, g*T, S) @ (B*kv, S, dh) -> (B*kv, g*T, dh)
@@ -202,9 +203,9 @@ class CausalMHA(nn.Module):
         B, T, _ = x.shape
         h, kv, dh = self.n_heads, self.n_kv_heads, self.d_head
         # Each token's q (h*dh numbers), k and v (kv*dh each) are cut into heads of dh numbers.
-        # The textbook projects x as it is, (B, T, d), and splits off the heads with .view(B, T, h, dh)
-        # .transpose(1, 2). We project time-major, (T, B, d), as nn.MultiheadAttention does: the same
-        # numbers in the same places, but some CPUs round the two layouts differently in the last bit.
+        # The textbook projects x as it is and splits off the heads: q = q.view(B, T, h, dh).transpose(1, 2).
+        # We project time-major, (T, B, d), as nn.MultiheadAttention does: the same numbers in the same
+        # places, but some CPUs round the two layouts differently in the last bit.
         qkv = self.in_proj(x.transpose(0, 1))              # (T, B, d) -> (T, B, (h + 2kv) dh)
         q, k, v = qkv.split([h * dh, kv * dh, kv * dh], dim=-1)
         q = q.view(T, B, h, dh).permute(1, 2, 0, 3)        # (T, B, h, dh) -> (B, h, T, dh): dims 1, 2, 0, 3
@@ -216,8 +217,8 @@ class CausalMHA(nn.Module):
             o, p = attend_fused(q, k, v), None             # (B, h, T, dh)
         else:
             o, p = attend(q, k, v)                         # (B, h, T, dh), (B, h, T, S)
-        o = o.permute(2, 0, 1, 3).reshape(T * B, h * dh)   # (B, h, T, dh) -> (T, B, h, dh) -> (T*B, d)
-        y = self.out_proj(o).view(T, B, -1).transpose(0, 1)  # (T*B, d) -> (B, T, d)
+        o = o.permute(2, 0, 1, 3).reshape(T * B, h * dh)   # (B, h, T, dh) -> (T, B, h, dh) -> (T*B, d): undoes q's
+        y = self.out_proj(o).view(T, B, -1).transpose(0, 1)  # (T*B, d) -> (B, T, d), back to x's layout
         return (y, p) if need_weights else y
 
     def new_cache(self, batch, max_len):
@@ -247,7 +248,7 @@ class CausalMHA(nn.Module):
         def widen(t):                                      # rows (h + 2kv) dh -> 3 h dh
             q, k, v = t.split([h * dh, kv * dh, kv * dh])
             heads = torch.arange(h) // (h // kv)           # each query head's K/V head: [0, 0, 1, 1] for h=4, kv=2
-            k = k.unflatten(0, (kv, dh))[heads]            # (kv dh, ...) -> (kv, dh, ...) -> (h, dh, ...); ... = d or none
+            k = k.unflatten(0, (kv, dh))[heads]            # weight (kv dh, d) -> (kv, dh, d) -> (h, dh, d); bias: no d
             v = v.unflatten(0, (kv, dh))[heads]            # the same for V
             return torch.cat([q, k.flatten(0, 1), v.flatten(0, 1)])          # (3 h dh, ...)
 
@@ -437,7 +438,7 @@ def main(argv=None):
     print_cache_tables(kv)
     ok &= check_cache(kv, args.seed)
     timing = measure_decode(DECODE_CONTEXTS, LLAMA_KV_HEADS, DECODE_ROUNDS)
-    problems = timing_contradictions(timing)              # what a quiet machine could not have measured
+    problems = timing_contradictions(timing)              # timings that contradict each other: a busy machine
     print_decode_table(timing, problems)
 
     figures = [plot_attention_maps(kv, args.seed), plot_cache_sizes(), plot_head_layout(kv),
