@@ -54,3 +54,15 @@ def run_main(main, argv, capsys):
         code = e.code
     out, err = capsys.readouterr()
     return code, out, err
+
+
+def gqa_module(d, h, kv, dtype=torch.float32, seed=0):
+    """A CausalMHA with PyTorch's weight init and random (non-zero) biases: a bias copied to the wrong rows
+    would show. Used by the tests of mha.py and of quality.to_gqa."""
+    import mha
+    torch.manual_seed(seed)
+    ours = mha.CausalMHA(d, h, kv).to(dtype)
+    with torch.no_grad():
+        ours.in_proj.bias.normal_(0.0, 0.1)
+        ours.out_proj.bias.normal_(0.0, 0.1)
+    return ours

@@ -3,6 +3,7 @@
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import gqa_module
 from torch import nn
 
 import mha
@@ -17,16 +18,6 @@ def torch_mha(d, h, dtype=torch.float32, bias=True, seed=0):
             if name.endswith("bias"):
                 p.normal_(0.0, 0.1)
     return ref
-
-
-def gqa_module(d, h, kv, dtype=torch.float32, seed=0):
-    """A CausalMHA with PyTorch's weight init and random (non-zero) biases."""
-    torch.manual_seed(seed)
-    ours = mha.CausalMHA(d, h, kv).to(dtype)
-    with torch.no_grad():
-        ours.in_proj.bias.normal_(0.0, 0.1)
-        ours.out_proj.bias.normal_(0.0, 0.1)
-    return ours
 
 
 # d_head 32 and 64 are powers of two; 48 and 24 are not (sqrt(1/dh) is then inexact in binary).

@@ -12,6 +12,7 @@ import time
 
 import pytest
 import torch
+from conftest import gqa_module
 
 import mha
 import quality
@@ -538,16 +539,6 @@ def test_clock():
 
 
 # ----------------------------------------------------------------------------- to_gqa (MHA -> GQA conversion)
-def gqa_module(d, h, kv, dtype=torch.float32, seed=0):
-    """A CausalMHA with PyTorch's weight init and random (non-zero) biases."""
-    torch.manual_seed(seed)
-    ours = mha.CausalMHA(d, h, kv).to(dtype)
-    with torch.no_grad():
-        ours.in_proj.bias.normal_(0.0, 0.1)
-        ours.out_proj.bias.normal_(0.0, 0.1)
-    return ours
-
-
 def tie_kv_heads_in_groups(attn, r):
     """Make every group of r consecutive K/V heads equal (to its first head), in place."""
     h, kv, dh = attn.n_heads, attn.n_kv_heads, attn.d_head
