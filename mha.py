@@ -6,12 +6,12 @@ Multi-head attention, and its grouped-query (GQA) and multi-query (MQA) variants
      where each group of query heads shares one key/value head; 1 is multi-query attention (MQA, Shazeer 2019).
   2. The attention written out twice: the textbook form, softmax(q k^T / sqrt(dh) + mask) v with each K/V head
      copied to its query heads, then attend(), the same result without the copies. PyTorch's fused call too.
-  3. The proof that the reshapes are right: with the weights of PyTorch's nn.MultiheadAttention copied in, MHA
-     gives the same output to the last bit (max difference exactly 0.0); GQA and MQA within 2e-6 of three
-     references that copy their K/V heads.
-  4. The KV cache in bytes for real models: with many requests, it caps how many a GPU serves at once.
-  5. Decoding with a real cache, and a lower bound on a decode step's time from two ceilings of this machine,
-     measured (the roofline).
+  3. Printed as section 1, the proof that the reshapes are right: with the weights of PyTorch's
+     nn.MultiheadAttention copied in, MHA gives the same output to the last bit (max difference exactly 0.0);
+     GQA and MQA within 2e-6 of three references that copy their K/V heads.
+  4. Sections 2 and 3, the KV cache in bytes for real models: with many requests, it caps how many fit.
+  5. Sections 4 and 5, decoding with a real cache, and a lower bound on a decode step's time from two
+     ceilings of this machine, measured (the roofline).
 After main(): the tables, the figures and the plumbing (bad input ends in one sentence). A reader can skip it.
 
 Not here: training (quality.py measures what GQA costs; mla.py shows what comes after it), dropout, padding
@@ -79,7 +79,7 @@ def attention_kind(n_heads, n_kv_heads):
 def causal_mask(T, S, dtype=torch.float32):
     """(T, S) additive mask: 0 where new token i may see key j, -inf where j lies in its future (after the
     softmax, exp(-inf) = 0: a future key gets no weight at all). The T new tokens are the last T of the S
-    keys (T < S only when decoding with a cache, section 4), so token i sees keys 0 .. S - T + i:
+    keys (T < S only when decoding with a cache, below), so token i sees keys 0 .. S - T + i:
     triu(S - T + 1) keeps the -inf where j - i >= S - T + 1.
     causal_mask(3, 3) == [[0, -inf, -inf], [0, 0, -inf], [0, 0, 0]]   (a whole sequence: T == S)
     causal_mask(2, 3) == [[0, 0, -inf], [0, 0, 0]]                    (2 new tokens after 1 cached)
@@ -121,9 +121,9 @@ def attend(q, k, v):
     B, h, T, dh = q.shape
     kv, S = k.shape[1], k.shape[2]
     g = h // kv
-    # A reshape keeps the order of the indices, batch, then head, then token, so the g heads of a group lie
-    # next to each other and fall into one block of g*T rows: block b*kv + j is group j of sequence b, and its
-    # row r is query head j*g + r // T at token r % T.
+    # Since h = kv * g, (B, h, T, dh) is (B, kv, g, T, dh): the reshape merges (B, kv) into blocks and (g, T)
+    # into rows, so block b*kv + j is group j of sequence b, and its row r is query head j*g + r // T at token
+    # r % T.
     #     h=4, kv=2 (g=2), T=2, B=1:   block 0: q0t0 q0t1 q1t0 q1t1  -> all read k0, v0
     #                                  block 1: q2t0 q2t1 q3t0 q3t1  -> all read k1, v1
     # E.g. h=8, kv=2 (g=4), T=3: block 1 holds heads 4..7; its row 5 is head 4 + 5 // 3 = 5 at token 5 % 3 = 2.
@@ -143,8 +143,9 @@ def attend(q, k, v):
 def attend_fused(q, k, v):
     """The same attention in PyTorch's one fused call, the one nn.MultiheadAttention(need_weights=False) runs.
 
-    It never stores p, which often makes it faster; it scales by 1 / sqrt(dh) itself and rounds differently
-    from attend() in the last bit. A decode step (T = 1) needs no mask: a single new token sees every key.
+    softmax(q k^T / sqrt(dh) + mask) v in one call, on attend's stacked rows. It never stores p, which often
+    makes it faster, and rounds differently from attend() in the last bit. A decode step (T = 1) needs no
+    mask: a single new token sees every key.
     """
     B, h, T, dh = q.shape
     kv, S = k.shape[1], k.shape[2]
@@ -156,11 +157,8 @@ def attend_fused(q, k, v):
 
 @dataclass
 class KVCache:
-    """Keys and values of every token seen so far, preallocated to max_len tokens.
-
-    k, v: (B, kv, max_len, dh); only the first `length` positions hold tokens. Setting `length` back
-    rewinds the cache (what lies after it is overwritten by the next call).
-    """
+    """Keys and values of every token seen so far, k, v: (B, kv, max_len, dh), preallocated to max_len tokens.
+    Only the first `length` positions hold tokens; setting `length` back rewinds the cache."""
     k: torch.Tensor
     v: torch.Tensor
     length: int = 0
