@@ -103,7 +103,8 @@ def attend_textbook(q, k, v):
         K/V heads       k0   |   k1            [k0, k0, k1, k1]; NOT k.repeat(1, g, 1, 1),
                                                [k0, k1, k0, k1], which silently pairs q1 with k1.
     """
-    T, S, dh, g = q.shape[2], k.shape[2], q.shape[3], q.shape[1] // k.shape[1]
+    T, S, dh = q.shape[2], k.shape[2], q.shape[3]
+    g = q.shape[1] // k.shape[1]                           # query heads per K/V head
     k = k.repeat_interleave(g, dim=1)                      # (B, kv, S, dh) -> (B, h, S, dh): query head i gets i // g
     v = v.repeat_interleave(g, dim=1)                      # (B, kv, S, dh) -> (B, h, S, dh)
     scores = q @ k.transpose(-2, -1) / math.sqrt(dh) + causal_mask(T, S, q.dtype)   # (B, h, T, S)

@@ -587,7 +587,7 @@ def plot_quality(scratch, steps, ablation, roles, chance, seed):
         mean, (low, high) = statistics.mean(rise), interval(rise)
         right.bar(k, mean, color=ROLE_COLORS[strongest(roles, chance, *hd)[0]], yerr=[[mean - low], [high - mean]],
                   capsize=3)
-    right.legend([Patch(color=c) for c in ROLE_COLORS.values()], [f"favours most in C: {r}" for r in ROLE_COLORS],
+    right.legend([Patch(color=c) for c in ROLE_COLORS.values()], [f"favours most (table C): {r}" for r in ROLE_COLORS],
                  fontsize=8)
     right.set_xticks(range(len(alone)), [f"{layer}.{head}" for layer, head in alone])
     right.axhline(0.0, color="black", lw=0.8)
