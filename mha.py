@@ -12,10 +12,10 @@ Multi-head attention, and its grouped-query (GQA) and multi-query (MQA) variants
   4. Sections 2 and 3, the KV cache in bytes for real models: with many requests, it caps how many fit.
   5. Sections 4 and 5, decoding with a real cache, and a lower bound on a decode step's time from two
      ceilings of this machine, measured (the roofline).
-After main(): the tables, the figures and the plumbing (bad input ends in one sentence). A reader can skip it.
+A first read can skip the checks against PyTorch and the roofline. After main(): tables, figures, plumbing.
 
-Not here: training (quality.py measures what GQA costs; mla.py shows what comes after it), dropout, padding
-masks, cross-attention, positional encodings.
+Not here: training, and what GQA costs (quality.py, which also converts a trained MHA with to_gqa); what
+came after GQA (mla.py); dropout, padding masks, cross-attention, positional encodings.
 
 Run:    python mha.py  (a few seconds; writes figures/)     python mha.py --n-kv-heads 2  (or edit N_KV_HEADS)
 Papers: Vaswani et al. 2017, arXiv:1706.03762; Shazeer 2019, arXiv:1911.02150; Ainslie et al. 2023,
