@@ -82,7 +82,7 @@ def causal_mask(T, S, dtype=torch.float32):
     keys (T < S only when decoding with a cache, below), so token i sees keys 0 .. S - T + i:
     triu(S - T + 1) keeps the -inf where j - i >= S - T + 1.
     causal_mask(3, 3) == [[0, -inf, -inf], [0, 0, -inf], [0, 0, 0]]   (a whole sequence: T == S)
-    causal_mask(2, 3) == [[0, 0, -inf], [0, 0, 0]]                    (2 new tokens after 1 cached)
+    causal_mask(2, 3) == [[0, 0, -inf], [0, 0, 0]]                    (keys c0 cached, n0 n1 new)
     Not F.scaled_dot_product_attention(is_causal=True): with T < S it aligns the triangle top-left, so
     new token i would see only keys 0 .. i and miss most of the cache.
     """
@@ -127,7 +127,8 @@ def attend(q, k, v):
     # r % T.
     #     h=4, kv=2 (g=2), T=2, B=1:   block 0: q0t0 q0t1 q1t0 q1t1  -> all read k0, v0
     #                                  block 1: q2t0 q2t1 q3t0 q3t1  -> all read k1, v1
-    # E.g. h=8, kv=2 (g=4), T=3: block 1 holds heads 4..7; its row 5 is head 4 + 5 // 3 = 5 at token 5 % 3 = 2.
+    # E.g. h=8, kv=2 (g=4), T=3: block 1 holds heads 4..7; its row 5 is head 4 + 5 // 3 = 5 at token 5 % 3 = 2;
+    # with B=2, block 3 = 1*2 + 1 is group 1 of sequence 1.
     # PyTorch multiplies q by sqrt(1 / dh); dividing by sqrt(dh) would differ in the last bit.
     q = q.reshape(B * kv, g * T, dh) * math.sqrt(1.0 / dh)   # (B, h, T, dh) -> (B*kv, g*T, dh)
     k = k.reshape(B * kv, S, dh)                           # (B, kv, S, dh) -> (B*kv, S, dh): a cache's K, not copied
@@ -247,8 +248,8 @@ class CausalMHA(nn.Module):
         def widen(t):                                      # rows (h + 2kv) dh -> 3 h dh
             q, k, v = t.split([h * dh, kv * dh, kv * dh])
             heads = torch.arange(h) // (h // kv)           # each query head's K/V head: [0, 0, 1, 1] for h=4, kv=2
-            k = k.unflatten(0, (kv, dh))[heads]            # weight (kv dh, d) -> (kv, dh, d) -> (h, dh, d); bias: no d
-            v = v.unflatten(0, (kv, dh))[heads]            # the same for V
+            k = k.unflatten(0, (kv, dh))[heads]            # (kv dh, d) -> (kv, dh, d) -> (h, dh, d): [k0 k0 k1 k1]
+            v = v.unflatten(0, (kv, dh))[heads]            # the same for V; a bias has no d: (kv dh,) -> (h, dh)
             return torch.cat([q, k.flatten(0, 1), v.flatten(0, 1)])          # (3 h dh, ...)
 
         ref = nn.MultiheadAttention(self.d_model, h, bias=self.in_proj.bias is not None, batch_first=True,
