@@ -295,24 +295,16 @@ def swap_query_heads(attn, i, j):
 
 
 def random_module(n_kv_heads, seed):
-    """A CausalMHA of the demo's shape, its biases random too (PyTorch starts them at zero, which would
-    hide a bias copied to the wrong rows)."""
+    """A CausalMHA of the demo's shape, its biases random too (random_biases, after main())."""
     torch.manual_seed(seed)
-    attn = CausalMHA(D_MODEL, N_HEADS, n_kv_heads).eval()
-    with torch.no_grad():
-        attn.in_proj.bias.normal_(0.0, 0.1)
-        attn.out_proj.bias.normal_(0.0, 0.1)
-    return attn
+    return random_biases(CausalMHA(D_MODEL, N_HEADS, n_kv_heads).eval())
 
 
 def run_checks(n_kv_heads, seed):
     """The evidence that the module is right. Returns True if every check passes."""
     print(f"1. Checks against PyTorch (float32, B={BATCH}, T={SEQ_LEN}, d={D_MODEL}, h={N_HEADS})")
-    torch.manual_seed(seed)
-    ref = nn.MultiheadAttention(D_MODEL, N_HEADS, batch_first=True).eval()   # PyTorch's own, the reference
-    with torch.no_grad():                                  # random biases: PyTorch's zeros would hide a bias
-        ref.in_proj_bias.normal_(0.0, 0.1)                 # copied to the wrong rows
-        ref.out_proj.bias.normal_(0.0, 0.1)
+    torch.manual_seed(seed)                                # PyTorch's own module is the reference
+    ref = random_biases(nn.MultiheadAttention(D_MODEL, N_HEADS, batch_first=True).eval())
     x = torch.randn(BATCH, SEQ_LEN, D_MODEL)               # (B, T, d)
     copy = CausalMHA.from_torch(ref)
     y_diff, w_diff = max_diff_vs_torch(copy, x, ref)
@@ -469,6 +461,16 @@ def max_diffs_vs_copying(attn, x):
             y_ref = attn.out_proj(o.transpose(1, 2).reshape(B, T, h * dh))   # (B, h, T, dh) -> (B, T, d)
             diffs.append((y - y_ref).abs().max().item())
     return diffs
+
+
+def random_biases(module):
+    """Draw a module's biases at random, in place, and return it: PyTorch starts them at zero, which would hide
+    a bias copied to the wrong rows. For CausalMHA and nn.MultiheadAttention alike."""
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0.0, 0.1)
+    return module
 
 
 def report(label, diff, tol):

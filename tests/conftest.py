@@ -61,8 +61,4 @@ def gqa_module(d, h, kv, dtype=torch.float32, seed=0):
     would show. Used by the tests of mha.py and of quality.to_gqa."""
     import mha
     torch.manual_seed(seed)
-    ours = mha.CausalMHA(d, h, kv).to(dtype)
-    with torch.no_grad():
-        ours.in_proj.bias.normal_(0.0, 0.1)
-        ours.out_proj.bias.normal_(0.0, 0.1)
-    return ours
+    return mha.random_biases(mha.CausalMHA(d, h, kv).to(dtype))

@@ -12,12 +12,7 @@ import mha
 def torch_mha(d, h, dtype=torch.float32, bias=True, seed=0):
     """nn.MultiheadAttention with its own weight init and random (non-zero) biases."""
     torch.manual_seed(seed)
-    ref = nn.MultiheadAttention(d, h, bias=bias, batch_first=True, dtype=dtype)
-    with torch.no_grad():
-        for name, p in ref.named_parameters():
-            if name.endswith("bias"):
-                p.normal_(0.0, 0.1)
-    return ref
+    return mha.random_biases(nn.MultiheadAttention(d, h, bias=bias, batch_first=True, dtype=dtype))
 
 
 # d_head 32 and 64 are powers of two; 48 and 24 are not (sqrt(1/dh) is then inexact in binary).

@@ -6,17 +6,14 @@ import time
 
 import pytest
 import torch
+from conftest import gqa_module
 from torch.profiler import ProfilerActivity, profile
 
 import mha
 
 
 def module(h, kv, dtype=torch.float32, d=128, seed=0):
-    torch.manual_seed(seed)
-    attn = mha.CausalMHA(d, h, kv).to(dtype).eval()
-    with torch.no_grad():
-        attn.in_proj.bias.normal_(0.0, 0.1)
-    return attn
+    return gqa_module(d, h, kv, dtype, seed).eval()
 
 
 # ----------------------------------------------------------------------------- sizes
