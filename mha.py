@@ -223,7 +223,7 @@ class CausalMHA(nn.Module):
 
     def new_cache(self, batch, max_len):
         """An empty KVCache for `batch` sequences of up to `max_len` tokens, in this module's dtype."""
-        check_cache_size(batch, max_len)
+        check_counts([("batch", batch, 1), ("max_len", max_len, 1)])
         shape = (batch, self.n_kv_heads, max_len, self.d_head)      # (B, kv, max_len, dh)
         dtype = self.in_proj.weight.dtype
         return KVCache(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype))
@@ -444,19 +444,17 @@ def main(argv=None):
 
 # ----------------------------------------------------------------------------- helpers of the checks
 def max_diffs_vs_copying(attn, x):
-    """max |ours - a reference| for two references that copy or broadcast K/V heads: attend_textbook and
-    F.scaled_dot_product_attention(enable_gqa=True). Projected the textbook way (batch-major), so within a
-    tolerance. is_causal=True is right here, where T == S (see causal_mask)."""
+    """max |ours - ref| for two references that copy or broadcast K/V: attend_textbook, then F.sdpa."""
     B, T, _ = x.shape
     h, kv, dh = attn.n_heads, attn.n_kv_heads, attn.d_head
     with torch.no_grad():
-        q, k, v = attn.in_proj(x).split([h * dh, kv * dh, kv * dh], dim=-1)
+        y = attn(x)
+        q, k, v = attn.in_proj(x).split([h * dh, kv * dh, kv * dh], dim=-1)   # batch-major, as textbooks do
         q = q.view(B, T, h, dh).transpose(1, 2)            # (B, T, h, dh) -> (B, h, T, dh)
         k = k.view(B, T, kv, dh).transpose(1, 2)           # (B, T, kv, dh) -> (B, kv, T, dh)
         v = v.view(B, T, kv, dh).transpose(1, 2)           # (B, T, kv, dh) -> (B, kv, T, dh)
-        y = attn(x)
         diffs = []
-        for o in (attend_textbook(q, k, v)[0],
+        for o in (attend_textbook(q, k, v)[0],             # is_causal=True is right here, where T == S
                   F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)):   # (B, h, T, dh)
             y_ref = attn.out_proj(o.transpose(1, 2).reshape(B, T, h * dh))   # (B, h, T, dh) -> (B, T, d)
             diffs.append((y - y_ref).abs().max().item())
@@ -464,8 +462,7 @@ def max_diffs_vs_copying(attn, x):
 
 
 def random_biases(module):
-    """Draw a module's biases at random, in place, and return it: PyTorch starts them at zero, which would hide
-    a bias copied to the wrong rows. For CausalMHA and nn.MultiheadAttention alike."""
+    """Random biases, in place: PyTorch's zeros would hide a bias copied to the wrong rows."""
     with torch.no_grad():
         for name, p in module.named_parameters():
             if name.endswith("bias"):
@@ -475,10 +472,9 @@ def random_biases(module):
 
 def report(label, diff, tol):
     """Print one aligned line of evidence and return whether diff is within tol."""
-    ok = diff <= tol
     rule = "must be exactly 0" if tol == 0 else f"tolerance {tol:.0e}"
-    print(f"  {label:<52} = {diff:.2e}  {'OK' if ok else 'FAIL'}  ({rule})")
-    return ok
+    print(f"  {label:<52} = {diff:.2e}  {'OK' if diff <= tol else 'FAIL'}  ({rule})")
+    return diff <= tol
 
 
 def relative_diff(a, b):
@@ -488,21 +484,21 @@ def relative_diff(a, b):
 
 # ----------------------------------------------------------------------------- the cache tables
 def print_cache_tables(n_kv_heads):
-    """Sections 2 and 3: the Llama-7B-shaped table (the demo's group size g marked, added if missing), then
-    published models."""
+    """Sections 2 and 3: the Llama-7B shape per configuration (the demo's g marked), then published models."""
     print(f"\n2. KV cache of a Llama-7B-shaped model ({LLAMA_LAYERS} layers, {LLAMA_HEADS} query heads, "
           f"dh={LLAMA_D_HEAD}, {CACHE_BYTES_PER_ELEM}-byte numbers, {CACHE_TOKENS} tokens, batch 1)")
     print("   bytes = 2 (K and V) x layers x K/V heads x dh x tokens x bytes per number")
     mha_bytes = llama_cache_bytes(LLAMA_HEADS)
     print(f"   GB = 1e9 bytes: MHA's {mha_bytes:,} bytes are {mha_bytes / 1e9:.2f} GB but {mha_bytes / 2**30:.2f} GiB")
-    g, demo = N_HEADS // n_kv_heads, attention_kind(N_HEADS, n_kv_heads)   # query heads per K/V head in the demo
-    same_g = LLAMA_HEADS // g if LLAMA_HEADS % g == 0 else None
-    rows = set(LLAMA_KV_HEADS) if same_g is None else set(LLAMA_KV_HEADS) | {same_g}
+    g = N_HEADS // n_kv_heads                              # query heads per K/V head in the demo
+    same_g = LLAMA_HEADS // g if LLAMA_HEADS % g == 0 else None   # the Llama row with the demo's g
+    rows = sorted(set(LLAMA_KV_HEADS) | ({same_g} if same_g else set()), reverse=True)
     print(f"   {'config':<8}{'n_kv_heads':>11}{'KV cache':>11}{'shrink':>8}")
-    for kv in sorted(rows, reverse=True):
+    for kv in rows:
         n = llama_cache_bytes(kv)
-        note = f"   <- g = {g} query heads per K/V head, as in your demo's {demo}" if kv == same_g else ""
-        print(f"   {attention_kind(LLAMA_HEADS, kv):<8}{kv:>11}{n / 1e9:>8.2f} GB{mha_bytes // n:>7}x{note}")
+        note = f"   <- g = {g} query heads per K/V head, as in your demo's {attention_kind(N_HEADS, n_kv_heads)}"
+        print(f"   {attention_kind(LLAMA_HEADS, kv):<8}{kv:>11}{n / 1e9:>8.2f} GB{mha_bytes // n:>7}x"
+              f"{note if kv == same_g else ''}")
 
     print(f"\n3. Published models at their own shapes ({CACHE_BYTES_PER_ELEM}-byte numbers, {CACHE_TOKENS} tokens, batch 1): "
           f"how many requests fit in {GPU_CACHE_GB} GB of cache")
@@ -522,14 +518,13 @@ def print_cache_tables(n_kv_heads):
 # ----------------------------------------------------------------------------- the decode timing and its table
 @dataclass
 class DecodeTiming:
-    """What measure_decode saw, in seconds, each the best of its rounds: {kv: [one per context]} for the
-    steps and the reads of their K and V; the matmul's FLOP/s; how many cores other programs kept busy."""
+    """What measure_decode saw: best seconds {kv: [one per context]} of the steps and of their K/V reads."""
     contexts: tuple
     steps: dict
     reads: dict
-    flops: float
+    flops: float                                           # the matmul's FLOP/s
     rounds: int = 1
-    elsewhere: float = 0.0
+    elsewhere: float = 0.0                                 # cores that other programs kept busy meanwhile
 
     def ceilings(self, kv, S):
         """The step's two ceilings: how fast its own K and V were read, and how fast a big matmul ran."""
@@ -543,24 +538,20 @@ class DecodeTiming:
 
 
 def measure_decode(contexts=DECODE_CONTEXTS, kv_heads=LLAMA_KV_HEADS, rounds=DECODE_ROUNDS):
-    """Time one decode step of one layer's attention (attend) and a read of its K and V, for every K/V head
-    count and context, and a (MATMUL_N, MATMUL_N) matmul. Each configuration's K and V lie in a buffer of
-    their own, as a server preallocates them. A round runs every job once, longest context first; each job
-    keeps its best round, so a moment of load cannot land on one alone."""
+    """Best-of-rounds times of attend's decode step, a sum of its K/V, and a matmul, interleaved (see LABNOTES)."""
     contexts = tuple(sorted(set(contexts)))
     q = torch.randn(1, LLAMA_HEADS, 1, LLAMA_D_HEAD)       # (B, h, 1, dh): one new token
     a = torch.randn(MATMUL_N, MATMUL_N)
     jobs = [("matmul", 0, math.inf, torch.mm, (a, a))]     # (what, kv, S, function, its arguments)
     for kv in kv_heads:
-        pair = torch.full((2, 1, kv, max(contexts), LLAMA_D_HEAD), 0.01)   # K and V: (2, B, kv, max_len, dh)
+        pair = torch.full((2, 1, kv, max(contexts), LLAMA_D_HEAD), 0.01)   # a preallocated cache: (2, B, kv, max_len, dh)
         for S in contexts:
             jobs.append(("steps", kv, S, attend, (q, *pair[:, :, :, :S])))   # k, v: (B, kv, S, dh) each
             jobs.append(("reads", kv, S, torch.sum, (pair[:, :, :, :S],)))
     jobs.sort(key=lambda job: -job[2])                     # longest context first (the sort is stable)
-    best = {}
-    start = cpu_seconds()                                  # to see what other programs ran meanwhile
+    best, start = {}, cpu_seconds()
     with torch.no_grad():
-        for _ in range(rounds):
+        for _ in range(rounds):                            # every job once a round: load cannot hit one alone
             for what, kv, S, fn, args in jobs:
                 t0 = time.perf_counter()
                 fn(*args)
@@ -571,11 +562,9 @@ def measure_decode(contexts=DECODE_CONTEXTS, kv_heads=LLAMA_KV_HEADS, rounds=DEC
                         rounds=rounds, elsewhere=cores_elsewhere(start))
 
 
-def timing_contradictions(timing, slack=0.1, elsewhere=0.25):
-    """What in the measurements cannot be true of a quiet machine ([] when they hold together): other
-    programs keeping more than `elsewhere` of a core busy, a step more than `slack` faster than its floor,
-    or (from 1024 tokens on) more than `slack` slower than the configuration with more K/V heads."""
-    problems = [f"other programs kept {timing.elsewhere:.1f} cores busy"] if timing.elsewhere > elsewhere else []
+def timing_contradictions(timing, slack=0.1, busy=0.25):
+    """What cannot be true of a quiet machine: other programs busy, a step below its floor, fewer heads slower."""
+    problems = [f"other programs kept {timing.elsewhere:.1f} cores busy"] if timing.elsewhere > busy else []
     kinds = sorted(timing.steps, reverse=True)             # most K/V heads first
     for i, S in enumerate(timing.contexts):
         for j, kv in enumerate(kinds):
@@ -691,8 +680,7 @@ def plot_head_layout(n_kv_heads):
 
 
 def plot_decode_time(timing, problems):
-    """Left: decode time against context, each floor dashed. Right: the roofline of MHA's step at the longest
-    context (its K and V come from memory), with every configuration's step at that context."""
+    """Left: decode time against context, floors dashed. Right: MHA's roofline at the longest context, steps as dots."""
     h, dh, contexts, s_max = LLAMA_HEADS, LLAMA_D_HEAD, timing.contexts, max(timing.contexts)
     fig = new_figure(13, 5.4)
     left, right = fig.subplots(1, 2)
@@ -742,14 +730,13 @@ def log_axes(ax, xticks, yticks):
 
 
 def new_figure(width, height):
-    """A matplotlib Figure on the Agg canvas: no display, no global pyplot state. Each plot places its axes by
-    hand (subplots_adjust): matplotlib's automatic layouts would double the time the figures take."""
+    """A Figure on the Agg canvas (no display, no pyplot state); axes placed by hand: auto layouts double the time."""
     from matplotlib.figure import Figure
     return Figure(figsize=(width, height))
 
 
 def png_bytes(fig):
-    """The figure as PNG bytes. Agg's PNG holds no date, only matplotlib's version: same code, same bytes."""
+    """The figure as PNG bytes: Agg's PNG holds no date, so the same code draws the same bytes."""
     import io
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=100)
@@ -761,6 +748,7 @@ def png_bytes(fig):
 # computed or written. What only an adversary builds (caches whose K and V overlap, sparse or nested
 # tensors, ...) gets PyTorch's own error.
 def whole_number(name, value):
+    """value itself if it is an int (not a bool), else one sentence naming it."""
     if isinstance(value, bool) or not isinstance(value, int):     # an int, and not True or False
         raise TypeError(f"{name} must be a whole number, got {value!r}")
     return value
@@ -816,8 +804,7 @@ def check_call(attn, x, need_weights, cache, fused):
 
 
 def check_cache_fits(x, tensors, length, max_len):
-    """Each of a cache's {name: (tensor, the shape this call needs)} in x's dtype and on its device, and room
-    for x's T tokens after `length` of max_len; else one sentence. For mha's KVCache and mla's LatentCache."""
+    """A cache's {name: (tensor, shape needed)} in x's dtype and device, with room for x (KVCache, mla's too)."""
     for name, (t, want) in tensors.items():
         if tuple(t.shape) != want or t.dtype != x.dtype or t.device != x.device:
             raise ValueError(f"the cache holds its {name} as {tuple(t.shape)} in {t.dtype} on {t.device}; this call "
@@ -826,11 +813,8 @@ def check_cache_fits(x, tensors, length, max_len):
         raise ValueError(f"the cache holds {length} of its {max_len} tokens: {x.shape[1]} more do not fit")
 
 
-def check_cache_size(batch, max_len):
-    check_counts([("batch", batch, 1), ("max_len", max_len, 1)])
-
-
 def check_copyable(ref):
+    """from_torch copies only what CausalMHA can compute: self-attention, batch first, no dropout in training."""
     if not isinstance(ref, nn.MultiheadAttention):
         raise TypeError(f"from_torch copies an nn.MultiheadAttention, got {type(ref).__name__}")
     if not (ref.batch_first and ref._qkv_same_embed_dim and ref.bias_k is None and not ref.add_zero_attn):
@@ -844,7 +828,8 @@ FIGURES = ["attention_maps.png", "kv_cache_size.png", "head_layout.png", "decode
 
 
 class Parser(argparse.ArgumentParser):
-    def error(self, message):                              # one line and exit 2, without the usage block
+    """argparse, but a bad flag ends in one line, without the usage block."""
+    def error(self, message):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
@@ -876,8 +861,7 @@ def parse_args(argv=None):
 
 
 def out_dir_problem(folder, names):
-    """Why the files `names` cannot be written into folder, in one sentence, or None. Checked before the
-    run, so that a bad --out-dir costs nothing; the folder itself is made only when the figures are written."""
+    """Why `names` cannot be written into folder, or None: checked at start, the folder made only at the end."""
     if not folder:
         return "--out-dir '' names no folder"
     parent = folder
@@ -897,8 +881,7 @@ def out_dir_problem(folder, names):
 
 
 def write_figures(prog, folder, pngs):
-    """Write {name: PNG bytes} into folder (made if need be), each to a temporary file then renamed into
-    place, so that a full disk or Ctrl-C leaves no half-written figure. On failure one line and False."""
+    """Write {name: PNG bytes} via temporary files renamed into place: no half-written figure; False on failure."""
     temporary = [os.path.join(folder, name + ".tmp") for name in pngs]
     try:
         os.makedirs(folder, exist_ok=True)
@@ -923,15 +906,13 @@ def machine_name():
     name = platform.processor() or platform.machine()
     if os.path.exists("/proc/cpuinfo"):
         with open("/proc/cpuinfo") as f:
-            names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
-        name = names[0] if names else name
+            name = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), name)
     threads = torch.get_num_threads()
     return f"{name}, {threads} thread{'s' if threads > 1 else ''}, {torch.backends.cpu.get_cpu_capability()}"
 
 
 def cpu_seconds():
-    """(wall clock, CPU seconds the whole machine was busy, CPU seconds of this process and its children),
-    from /proc/stat (Linux; time stolen by the hypervisor counts as busy), for cores_elsewhere(); None elsewhere."""
+    """(wall clock, busy CPU seconds of the machine from /proc/stat, of this process), or None off Linux."""
     if not os.path.exists("/proc/stat"):
         return None
     with open("/proc/stat") as f:
@@ -950,8 +931,7 @@ def cores_elsewhere(start):
 
 
 def run_as_script(main):
-    """sys.exit(main()), where a closed, full or vanished standard output (python mha.py | head), Ctrl-C and
-    running out of memory each end in one line, never a traceback."""
+    """sys.exit(main()): a closed, full or broken stdout, Ctrl-C and out of memory end in one line, no traceback."""
     import errno
     prog = os.path.basename(sys.argv[0])
     if sys.stdout is None:                                 # python mha.py >&-

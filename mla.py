@@ -191,7 +191,7 @@ class LatentAttention(nn.Module):
 
     def new_cache(self, batch, max_len):
         """An empty LatentCache for `batch` sequences of up to `max_len` tokens, in this module's dtype."""
-        mha.check_cache_size(batch, max_len)               # (B, max_len, dc) and (B, max_len, dr)
+        mha.check_counts([("batch", batch, 1), ("max_len", max_len, 1)])   # (B, max_len, dc), (B, max_len, dr)
         return LatentCache(*(torch.zeros(batch, max_len, width, dtype=self.w_dkv.weight.dtype)
                              for width in (self.d_latent, self.d_rope)))
 
