@@ -27,7 +27,6 @@ import concurrent.futures
 import contextlib
 import copy
 import hashlib
-import inspect
 import math
 import multiprocessing
 import os
@@ -107,11 +106,6 @@ def windows(ids, starts):
 
 
 # ----------------------------------------------------------------------------- the model
-# Training runs PyTorch's fused attention (F.scaled_dot_product_attention): faster, and the same function as
-# the written-out one that need_weights runs. An older mha.py runs it by default and has no keyword for it.
-FUSED = {"fused": True} if "fused" in inspect.signature(mha.CausalMHA.forward).parameters else {}
-
-
 class Block(nn.Module):
     """x + attention(LayerNorm(x)), then x + MLP(LayerNorm(x)): the pre-LayerNorm block of GPT-2."""
 
@@ -122,7 +116,8 @@ class Block(nn.Module):
         self.mlp = nn.Sequential(nn.Linear(D_MODEL, MLP_WIDTH), nn.GELU(), nn.Linear(MLP_WIDTH, D_MODEL))
 
     def forward(self, x, need_weights=False):              # x: (B, T, d); p: (B, h, T, T) or None
-        a, p = self.attn(self.ln1(x), need_weights=True) if need_weights else (self.attn(self.ln1(x), **FUSED), None)
+        # Training runs the fused call: faster, and the same function as the written-out one need_weights runs.
+        a, p = self.attn(self.ln1(x), need_weights=True) if need_weights else (self.attn(self.ln1(x), fused=True), None)
         x = x + a
         return x + self.mlp(self.ln2(x)), p                # (B, T, d)
 
@@ -160,12 +155,10 @@ def bits_per_char(logits, y):
 def to_gqa(attn, n_kv_heads, pool="mean"):
     """A new mha.CausalMHA with fewer K/V heads, made from attn as Ainslie et al. 2023 (section 2.2) do.
 
-    Queries and out_proj are copied. The K/V heads are cut into n_kv_heads groups of r consecutive heads
-    (the groups of repeat_interleave), and each group becomes one head: the mean of its r heads' weight and
-    bias rows (pool="mean"), or its first head's (pool="first").
+    Queries and out_proj are copied; each group of r consecutive K/V heads (repeat_interleave's groups) becomes
+    one head, the mean of their weight and bias rows (pool="mean") or its first head's (pool="first"):
         4 K/V heads to 2, mean:   [k0, k1 | k2, k3] -> [(k0 + k1) / 2, (k2 + k3) / 2]
-    Where a group's heads are already equal, the result is the same function within rounding (relative 1e-6
-    in float32). Otherwise it needs further training ("uptraining") to recover its quality: table B.
+    Equal heads in a group give the same function (within 1e-6); others need further training: table B.
     """
     if mha.whole_number("n_kv_heads", n_kv_heads) < 1 or attn.n_kv_heads % n_kv_heads:
         raise ValueError(f"n_kv_heads={n_kv_heads} must be a positive divisor of the {attn.n_kv_heads} K/V heads")
@@ -177,21 +170,16 @@ def to_gqa(attn, n_kv_heads, pool="mean"):
         q, k, v = t.split([h * dh, kv * dh, kv * dh])
         k = k.unflatten(0, (n_kv_heads, r, dh))            # (kv dh, ...) -> (n_kv_heads, r, dh, ...)
         v = v.unflatten(0, (n_kv_heads, r, dh))            # (kv dh, ...) -> (n_kv_heads, r, dh, ...)
-        if pool == "first":
-            k, v = k[:, 0], v[:, 0]                        # (n_kv_heads, dh, ...)
-        else:
-            k, v = k.mean(1), v.mean(1)                    # (n_kv_heads, dh, ...)
+        k, v = (k[:, 0], v[:, 0]) if pool == "first" else (k.mean(1), v.mean(1))   # (n_kv_heads, dh, ...)
         return torch.cat([q, k.flatten(0, 1), v.flatten(0, 1)])
 
-    bias = attn.in_proj.bias is not None
-    out = mha.CausalMHA(attn.d_model, h, n_kv_heads, bias=bias).to(attn.in_proj.weight.dtype)
+    out = mha.CausalMHA(attn.d_model, h, n_kv_heads, bias=attn.in_proj.bias is not None).to(attn.in_proj.weight.dtype)
     out.load_state_dict({name: narrow(t) if name.startswith("in_proj") else t for name, t in attn.state_dict().items()})
     return out.train(attn.training)
 
 
 def with_kv_heads(model, n_kv_heads, pool, seed=0):
-    """A copy of model whose every attention has n_kv_heads K/V heads, made by to_gqa: pool "mean" or
-    "first", or "random", which keeps the queries and draws new K/V heads as nn.Linear draws its weights."""
+    """model with n_kv_heads K/V heads in every layer, by to_gqa's pool, or "random": new K/V as nn.Linear draws."""
     new = copy.deepcopy(model)
     g = torch.Generator().manual_seed(seed)
     for block in new.blocks:
@@ -205,8 +193,7 @@ def with_kv_heads(model, n_kv_heads, pool, seed=0):
 
 
 def fresh_models(vocab, seed):
-    """{config: model} of one seed, from one initialisation: the MHA drawn from the seed, and that MHA with the
-    first K/V head of each group kept (pool "first"), distributed exactly as a fresh CausalMHA's heads."""
+    """{config: model} of one seed: its MHA, and that MHA with each group's first K/V head kept (a fresh GQA)."""
     torch.manual_seed(seed)
     base = CharLM(vocab, N_HEADS)
     return {name: base if kv == N_HEADS else with_kv_heads(base, kv, "first") for name, kv in CONFIGS.items()}
@@ -228,8 +215,7 @@ def lr_at(step, steps):
 
 
 def train(model, data, starts, schedule, evaluate_at=()):
-    """Train model in place on the windows at starts (steps, B), at the learning rates schedule(step, steps);
-    return {step: validation bits/char} before each step in evaluate_at (len(starts): after the last)."""
+    """Train model in place on starts (steps, B) at schedule(step, steps): {step: validation bits/char} of evaluate_at."""
     decay = [p for n, p in model.named_parameters() if p.dim() == 2 and n != "pos"]   # weight matrices only
     rest = [p for n, p in model.named_parameters() if not (p.dim() == 2 and n != "pos")]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": WEIGHT_DECAY}, {"params": rest, "weight_decay": 0.0}],
@@ -301,9 +287,8 @@ def verdict(diffs, worse="worse than MHA", better="better than MHA"):
 
 
 def tested_in_order():
-    """A's comparisons in the order fixed before any run, fewest K/V heads first (MQA, GQA-2, GQA-4). Each is
-    tested only if the one before was resolved (a fixed sequence): the chance of any false verdict among the
-    three stays at 5 % with no interval widened (Holm or Bonferroni over three would resolve none here)."""
+    """A's comparisons, fewest K/V heads first, each tested only if the one before was resolved (a fixed
+    sequence): any false verdict among them stays at 5 % with no interval widened (Holm would resolve none)."""
     return sorted((name for name, kv in CONFIGS.items() if kv != N_HEADS), key=CONFIGS.get)
 
 
@@ -366,9 +351,8 @@ def print_table_a(scratch, steps):
 # Ainslie et al. uptrain "on the same pre-training recipe"; here it is a fresh AdamW at a constant UPTRAIN_LR, 2.5
 # times the end of the cosine, which alone moves an MHA's loss. So conversions are compared with that control.
 def run_conversion(scratch, steps, run, seeds):
-    """Convert each trained MHA of seeds to every smaller configuration by every pool, and train on; beside
-    them on the workers, table D's ablation of the first seed's MHA. Returns ({seed: {(config, pool): {step:
-    bits/char}}}, steps counted from the conversion; head_ablation's result). ("MHA", "none") is the control."""
+    """Every conversion of seeds' MHAs, trained on, and beside them D's ablation: ({seed: {(config, pool): {step:
+    bits/char}}}, head_ablation's result). ("MHA", "none") is the control, the MHA trained on."""
     targets = [("MHA", "none")] + [(n, p) for n in CONFIGS if n != "MHA" for p in POOLS]
     tasks = [(name, pool, seed, steps, scratch["MHA"][seed][0]) for seed in seeds for name, pool in targets]
     ablated, *done = run("B. conversion", [(head_ablation, (scratch["MHA"][seeds[0]][0],), 0)]
@@ -385,8 +369,7 @@ def uptrain_steps(steps, pool="mean"):
 
 
 def convert_and_train(name, pool, seed, steps, model):
-    """One conversion, as a worker runs it: the trained MHA to config by pool, then the further training on the
-    batches that follow the original steps in the seed's data order (random K/V: measured right after)."""
+    """One conversion in a worker, then training on the batches after the original steps in the seed's order."""
     data, up = WORKER["data"], uptrain_steps(steps, pool)  # model's tensors are shared with every process: copy
     model = copy.deepcopy(model) if pool == "none" else with_kv_heads(model, CONFIGS[name], pool, seed)
     warm_then_flat = lambda step, _: UPTRAIN_LR * min(1.0, (step + 1) / UPTRAIN_WARMUP)   # warmup, then flat
@@ -395,8 +378,8 @@ def convert_and_train(name, pool, seed, steps, model):
 
 def print_table_b(curves, scratch, steps):
     seeds, up, col = list(curves), uptrain_steps(steps), f"+{UPTRAIN:.0%}"
-    print(f"\nB. Conversion of the trained MHA of seeds {', '.join(map(str, seeds))} (Ainslie et al. 2023, section "
-          f"2.1), then {up} step{'s' * (up > 1)} ({UPTRAIN:.0%} of A's)\n   more training at a constant lr "
+    print(f"\nB. Conversion of the trained MHA of seeds {', '.join(map(str, seeds))} (Ainslie et al. 2023, sections "
+          f"2.1-2.2), then {up} step{'s' * (up > 1)} ({UPTRAIN:.0%} of A's)\n   more training at a constant lr "
           f"{UPTRAIN_LR:g}; the control is the MHA trained on in the same way. Validation bits/char, mean over\n"
           "   seeds; each conversion minus the control, paired by seed [95% interval]")
     print(f"   {'config':<7}{'K/V from':<11}{'right after':>12}{col:>8}   {'minus the control':<25}"
@@ -437,9 +420,8 @@ def attention_maps(model, x):
 
 
 def head_roles(model, data):
-    """({role: (layers, h)}, {role: level}): every head's mean attention over the validation windows on four
-    kinds of key (the previous character, the character itself, whitespace, the first character of the current
-    word), and the level of uniform causal attention, which favours nothing (28% on whitespace, its share)."""
+    """({role: (layers, h)}, {role: level}): each head's mean attention on four kinds of key (previous, itself,
+    whitespace, word start) over the validation windows, and uniform causal attention's level, favouring none."""
     x, (N, T) = data.val_x, data.val_x.shape               # (N, T)
     maps = attention_maps(model, x)                         # each (N, h, T, T)
     space = torch.tensor([c.isspace() for c in data.chars])[x]        # (N, T)
@@ -461,8 +443,7 @@ def head_roles(model, data):
 
 
 def strongest(roles, chance, layer, head):
-    """('itself', 7.7): of the four kinds of key, the one a head favours most, as a multiple of uniform's level.
-    The largest of four hand-picked ratios: a label, not how sharply the head attends."""
+    """('itself', 7.7): the kind of key a head favours most, in multiples of uniform's level: a label, no more."""
     ratios = {r: roles[r][layer, head].item() / chance[r] for r in roles}
     top = max(ratios, key=ratios.get)
     return top, ratios[top]
@@ -490,9 +471,8 @@ def print_table_c(roles, chance, seed):
 # with little loss: the number of heads is not a measure of what the model needs. Table C tells a story
 # about each head; here one trained model is asked how much it needs each one. Evaluations only.
 def without_heads(model, heads):
-    """A copy of model with every (layer, head) in heads silenced: its output zeroed before out_proj. out_proj
-    sees the heads side by side, o = [o_0 | o_1 | ... | o_7] (each dh wide), so W o + b = W[:, 0:dh] o_0 +
-    W[:, dh:2dh] o_1 + ... + b: zeroing head j's dh columns of W is zeroing o_j (Michel et al.'s mask of 0)."""
+    """A copy of model with each (layer, head) in heads silenced: out_proj sees o = [o_0 | ... | o_7], so
+    W o + b = W[:, 0:dh] o_0 + ... + b, and zeroing head j's dh columns of W zeroes o_j (Michel et al.'s mask)."""
     new = copy.deepcopy(model)
     dh = D_MODEL // N_HEADS
     with torch.no_grad():
@@ -502,11 +482,8 @@ def without_heads(model, heads):
 
 
 def head_ablation(model, data=None):
-    """Test-time ablation of a trained MHA. Returns (alone, order, curve): alone[(layer, head)], each window's
-    loss rise (EVAL_WINDOWS,) with only that head silenced; order, the heads from the least needed alone to the
-    most (Michel et al.'s "individual oracle" comparison, not their gradient score); curve[k], the mean loss
-    with the first k heads of order silenced together (curve[0]: intact; one head always stays). In a worker,
-    beside B's conversions, data is the worker's."""
+    """(alone, order, curve): alone[(layer, head)], each window's loss rise with that head silenced; order, least
+    needed first (Michel et al.'s "individual oracle"); curve[k], the loss with order's first k silenced."""
     data, heads = data or WORKER["data"], [(i, j) for i in range(N_LAYERS) for j in range(N_HEADS)]
     base = window_losses(model, data)
     alone = {hd: window_losses(without_heads(model, [hd]), data) - base for hd in heads}
@@ -516,8 +493,7 @@ def head_ablation(model, data=None):
 
 
 def block_means(rise):
-    """The means of BLOCKS runs of consecutive windows. Neighbouring windows are pieces of one document and
-    their losses correlate, so D's intervals are over these block means (batch means), not over windows."""
+    """Means of BLOCKS runs of consecutive windows: neighbours correlate, so D's intervals are over these."""
     return [b.mean().item() for b in torch.tensor_split(rise, BLOCKS)]
 
 
@@ -562,8 +538,7 @@ ROLE_COLORS = {"previous": "tab:orange", "itself": "tab:olive", "whitespace": "t
 
 
 def plot_quality(scratch, steps, ablation, roles, chance, seed):
-    """Left: A's loss against KV-cache bytes per token. Right: D, each head's loss rise alone, coloured by its
-    role in C."""
+    """Left: A's loss against KV-cache bytes per token. Right: D, each head's loss rise, coloured by its role (C)."""
     from matplotlib.patches import Patch
     fig = mha.new_figure(16, 5.5)
     left, right = fig.subplots(1, 2, gridspec_kw={"width_ratios": [1, 2]})
@@ -643,8 +618,7 @@ def start_worker(parent):
 
 
 def exit_with_parent(parent):
-    """End this worker within half a second of its parent's end, however the parent ended (kill -9 runs none
-    of its code): the system then gives the worker another parent."""
+    """End this worker within half a second of its parent's end, even by kill -9 (the worker gets a new parent)."""
     while os.getppid() == parent:
         time.sleep(0.5)
     os._exit(1)
@@ -708,9 +682,8 @@ def main(argv=None):
 # ----------------------------------------------------------------------------- plumbing (not the lesson)
 @contextlib.contextmanager
 def workers(total):
-    """run(part, calls): fn(*args) for every (fn, args, steps) in calls on WORKERS processes, the results in
-    the order of calls, a progress line on stderr as each ends. A failing task or Ctrl-C stops every worker at
-    once, busy or not (the pool itself would wait for the running tasks to end)."""
+    """run(part, calls): fn(*args) of each (fn, args, steps) on WORKERS processes, results in order, progress on
+    stderr. A failing task or Ctrl-C stops every worker at once (the pool itself would wait for busy ones)."""
     context = multiprocessing.get_context("spawn")        # a fresh interpreter: no threads or locks inherited
     pool = concurrent.futures.ProcessPoolExecutor(WORKERS, context, initializer=start_worker, initargs=(os.getpid(),))
     start, done, shown = time.perf_counter(), 0, (0.0, 0)
