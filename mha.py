@@ -79,10 +79,10 @@ def attention_kind(n_heads, n_kv_heads):
 def causal_mask(T, S, dtype=torch.float32):
     """(T, S) additive mask: 0 where new token i may see key j, -inf where j lies in its future (after the
     softmax, exp(-inf) = 0: a future key gets no weight at all). The T new tokens are the last T of the S
-    keys (T < S only when decoding with a cache, below), so token i sees keys 0 .. S - T + i:
-    triu(S - T + 1) keeps the -inf where j - i >= S - T + 1.
+    keys (T < S only when decoding with a cache, below), so token i sees keys 0 .. S - T + i. triu(k)
+    keeps the entries where j - i >= k and sets the rest to 0: here it keeps -inf where j - i >= S - T + 1.
     causal_mask(3, 3) == [[0, -inf, -inf], [0, 0, -inf], [0, 0, 0]]   (a whole sequence: T == S)
-    causal_mask(2, 3) == [[0, 0, -inf], [0, 0, 0]]                    (keys c0 cached, n0 n1 new)
+    causal_mask(2, 3) == [[0, 0, -inf], [0, 0, 0]]                    (key 0 cached, keys 1 and 2 new)
     Not F.scaled_dot_product_attention(is_causal=True): with T < S it aligns the triangle top-left, so
     new token i would see only keys 0 .. i and miss most of the cache.
     """
@@ -94,7 +94,8 @@ def attend_textbook(q, k, v):
 
     q: (B, h, T, dh), the queries of the T newest tokens; k, v: (B, kv, S, dh), the keys and values of all
     S tokens so far, the T newest last. A query scores every key by a dot product; a sum of dh products of
-    random numbers has a standard deviation of sqrt(dh), so dividing by it keeps the softmax from saturating;
+    numbers of standard deviation 1 has one of sqrt(dh), so dividing by it keeps the softmax from saturating
+    (one weight near 1, the rest near 0);
     the softmax turns a query's scores into weights p that sum to 1; its output o is the weighted average of
     the values, (B, h, T, dh).
     For GQA each K/V head is first copied to the g query heads of its group (here h=4, kv=2, g=2):
@@ -116,7 +117,8 @@ def attend(q, k, v):
     """attend_textbook without the copies (shapes as there): CausalMHA's default path, timed in section 5.
 
     The g query heads of a group are stacked as the g*T rows of one "head", which reads its K/V head once,
-    never g copies of it. With g = 1 (MHA) nothing is stacked, and this is the textbook form in
+    never g copies of it. Nothing else changes: a row of q @ k^T comes from its own query row alone, and the
+    softmax and p @ v work row by row, so each row gets what its own head would have. With g = 1 (MHA) nothing is stacked, and this is the textbook form in
     nn.MultiheadAttention's own operations and order (q scaled first, the mask added by baddbmm): the same bits.
     """
     B, h, T, dh = q.shape
@@ -248,6 +250,7 @@ class CausalMHA(nn.Module):
         def widen(t):                                      # rows (h + 2kv) dh -> 3 h dh
             q, k, v = t.split([h * dh, kv * dh, kv * dh])
             heads = torch.arange(h) // (h // kv)           # each query head's K/V head: [0, 0, 1, 1] for h=4, kv=2
+            # unflatten cuts K's kv*dh rows into kv heads of dh rows; indexing by heads repeats each head's rows.
             k = k.unflatten(0, (kv, dh))[heads]            # (kv dh, d) -> (kv, dh, d) -> (h, dh, d): [k0 k0 k1 k1]
             v = v.unflatten(0, (kv, dh))[heads]            # the same for V; a bias has no d: (kv dh,) -> (h, dh)
             return torch.cat([q, k.flatten(0, 1), v.flatten(0, 1)])          # (3 h dh, ...)
@@ -282,8 +285,9 @@ def max_diff_vs_torch(attn, x, ref=None, fused=False):
 def swap_query_heads(attn, i, j):
     """Swap the query rows of heads i and j in place: a copy with two heads in the wrong order.
 
-    Swapping two heads everywhere, out_proj's columns too, would change nothing: out_proj mixes all heads
-    alike. Swapping only their queries pairs head i's queries with head j's keys, as a wrong reshape would.
+    Swapping two heads everywhere would change nothing: their outputs would come out swapped, and out_proj's
+    swapped columns would put them back. Swapping only their queries pairs head i's queries with head j's
+    keys, as a wrong reshape would.
     """
     dh = attn.d_head
     with torch.no_grad():
@@ -385,8 +389,8 @@ def check_cache(n_kv_heads, seed):
 # the arithmetic 1.3 ms: the step waits on memory. MQA reads 32x fewer bytes (0.4 ms), so its FLOPs decide.
 # Which one decides is told by the FLOPs per byte, 4 h S dh / (2 kv S dh x 4 bytes) = h / (2 kv) = g / 2 in
 # fp32, against the ridge, FLOP rate / read rate: below it the bytes decide, above it the FLOPs. Both rates
-# are measured in the same run: a sum of each step's own K and V (how fast bytes come depends on how many
-# there are and where they lie), and a 512x512 matmul, a proxy for the fastest this CPU computes.
+# are measured in the same run: a timed sum of each step's own K and V (a small one fits in the CPU's caches,
+# fast memory beside the cores, and reads faster), and a 512x512 matmul, about the fastest this CPU computes.
 def decode_flops(n_heads, d_head, S):
     """FLOPs of one new token's attention over S keys: 4 h S dh.  decode_flops(32, 128, 4096) == 67108864"""
     return 4 * n_heads * S * d_head
