@@ -118,8 +118,9 @@ def attend(q, k, v):
 
     The g query heads of a group are stacked as the g*T rows of one "head", which reads its K/V head once,
     never g copies of it. Nothing else changes: a row of q @ k^T comes from its own query row alone, and the
-    softmax and p @ v work row by row, so each row gets what its own head would have. With g = 1 (MHA) nothing is stacked, and this is the textbook form in
-    nn.MultiheadAttention's own operations and order (q scaled first, the mask added by baddbmm): the same bits.
+    softmax and p @ v work row by row, so each row gets what its own head would have. With g = 1 (MHA)
+    nothing is stacked, and this is the textbook form in nn.MultiheadAttention's own operations and order
+    (q scaled first, the mask added by baddbmm): the same bits.
     """
     B, h, T, dh = q.shape
     kv, S = k.shape[1], k.shape[2]
@@ -353,9 +354,9 @@ def llama_cache_bytes(n_kv_heads, tokens=CACHE_TOKENS):
 
 # ----------------------------------------------------------------------------- decoding with a cache
 # A model generates one token at a time, and each new token attends to every token before it. Their keys
-# and values never change (causal: no token sees a later one, in any layer), so they are kept, the KV cache,
-# and each step projects the new token alone: forward(x_new, cache=...). Queries are not kept: only the new
-# token's is ever used. Cached, the outputs must be those of one forward over the whole sequence.
+# and values never change (causal: in every layer a token's k and v depend on it and earlier tokens only),
+# so they are kept, the KV cache, and each step projects the new token alone: forward(x_new, cache=...).
+# Queries are not kept: only the new token's is ever used. Cached, the outputs must equal one full forward.
 def check_cache(n_kv_heads, seed):
     """Real caches: their bytes against the formula, and cached decoding against one full forward."""
     ok, max_len = True, 512
@@ -381,16 +382,17 @@ def check_cache(n_kv_heads, seed):
 
 
 # ----------------------------------------------------------------------------- decode time: a roofline
-# A decode step (T = 1) of one layer multiplies h queries with S cached keys, then the weights with S values:
-# 4 h S dh FLOPs (two products of h S dh multiply-adds, 2 FLOPs each), on 2 kv S dh numbers read (K and V).
+# A decode step (T = 1) of one layer multiplies h queries with S cached keys, then the weights with S values,
+# per head (1, dh) @ (dh, S) and (1, S) @ (S, dh): two products of h S dh multiply-adds, 2 FLOPs each, so
+# 4 h S dh FLOPs, on 2 kv S dh numbers read (K and V).
 # A machine reads so many bytes and computes so many FLOPs per second at most, so a step takes at least
 #     floor = max(bytes / read rate, FLOPs / FLOP rate)                                  (the roofline)
 # E.g. MHA at 8192 tokens, fp32: 134 MFLOP on 268 MB. At 20 GB/s and 100 GFLOP/s the read takes 13.4 ms and
 # the arithmetic 1.3 ms: the step waits on memory. MQA reads 32x fewer bytes (0.4 ms), so its FLOPs decide.
 # Which one decides is told by the FLOPs per byte, 4 h S dh / (2 kv S dh x 4 bytes) = h / (2 kv) = g / 2 in
 # fp32, against the ridge, FLOP rate / read rate: below it the bytes decide, above it the FLOPs. Both rates
-# are measured in the same run: a timed sum of each step's own K and V (a small one fits in the CPU's caches,
-# fast memory beside the cores, and reads faster), and a 512x512 matmul, about the fastest this CPU computes.
+# are measured in the same run: a timed sum of each step's own K and V (a small one fits in the CPU's on-chip
+# L2/L3 memory and reads faster), and a 512x512 matmul, about the fastest this CPU computes.
 def decode_flops(n_heads, d_head, S):
     """FLOPs of one new token's attention over S keys: 4 h S dh.  decode_flops(32, 128, 4096) == 67108864"""
     return 4 * n_heads * S * d_head
