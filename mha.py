@@ -125,15 +125,15 @@ def attend(q, k, v):
     B, h, T, dh = q.shape
     kv, S = k.shape[1], k.shape[2]
     g = h // kv
-    # Since h = kv * g, (B, h, T, dh) is (B, kv, g, T, dh): the reshape merges (B, kv) into blocks and (g, T)
-    # into rows, so block b*kv + j is group j of sequence b, and its row r is query head j*g + r // T at token
-    # r % T.
+    # Since h = kv * g, the heads split into kv groups of g; then (B, kv) merge into blocks and (g, T) into
+    # rows: block b*kv + j is group j of sequence b, and its row r is query head j*g + r // T at token r % T.
     #     h=4, kv=2 (g=2), T=2, B=1:   block 0: q0t0 q0t1 q1t0 q1t1  -> all read k0, v0
     #                                  block 1: q2t0 q2t1 q3t0 q3t1  -> all read k1, v1
     # E.g. h=8, kv=2 (g=4), T=3: block 1 holds heads 4..7; its row 5 is head 4 + 5 // 3 = 5 at token 5 % 3 = 2;
     # with B=2, block 3 = 1*2 + 1 is group 1 of sequence 1.
     # PyTorch multiplies q by sqrt(1 / dh); dividing by sqrt(dh) would differ in the last bit.
-    q = q.reshape(B * kv, g * T, dh) * math.sqrt(1.0 / dh)   # (B, h, T, dh) -> (B*kv, g*T, dh)
+    q = q.view(B, kv, g, T, dh)                            # (B, h, T, dh) -> (B, kv, g, T, dh): head j*g + i at [:, j, i]
+    q = q.reshape(B * kv, g * T, dh) * math.sqrt(1.0 / dh)   # (B, kv, g, T, dh) -> (B*kv, g*T, dh)
     k = k.reshape(B * kv, S, dh)                           # (B, kv, S, dh) -> (B*kv, S, dh): a cache's K, not copied
     v = v.reshape(B * kv, S, dh)                           # (B, kv, S, dh) -> (B*kv, S, dh)
     # The rows are g blocks of T tokens, so here .repeat is right: each block needs the same (T, S) mask.
@@ -225,11 +225,11 @@ class CausalMHA(nn.Module):
         return (y, p) if need_weights else y
 
     def new_cache(self, batch, max_len):
-        """An empty KVCache for `batch` sequences of up to `max_len` tokens, in this module's dtype."""
+        """An empty KVCache for `batch` sequences of up to `max_len` tokens, on the weights' device, in their dtype."""
         check_counts([("batch", batch, 1), ("max_len", max_len, 1)])
         shape = (batch, self.n_kv_heads, max_len, self.d_head)      # (B, kv, max_len, dh)
-        dtype = self.in_proj.weight.dtype
-        return KVCache(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype))
+        like = {"dtype": self.in_proj.weight.dtype, "device": self.in_proj.weight.device}
+        return KVCache(torch.zeros(shape, **like), torch.zeros(shape, **like))
 
     @classmethod
     def from_torch(cls, ref):
@@ -499,12 +499,15 @@ def print_cache_tables(n_kv_heads):
     g = N_HEADS // n_kv_heads                              # query heads per K/V head in the demo
     same_g = LLAMA_HEADS // g if LLAMA_HEADS % g == 0 else None   # the Llama row with the demo's g
     rows = sorted(set(LLAMA_KV_HEADS) | ({same_g} if same_g else set()), reverse=True)
+    print("   shrink = h / kv = g, the query heads per K/V head; GQA-N is named by its N K/V heads, not by g")
     print(f"   {'config':<8}{'n_kv_heads':>11}{'KV cache':>11}{'shrink':>8}")
     for kv in rows:
         n = llama_cache_bytes(kv)
         note = f"   <- g = {g} query heads per K/V head, as in your demo's {attention_kind(N_HEADS, n_kv_heads)}"
         print(f"   {attention_kind(LLAMA_HEADS, kv):<8}{kv:>11}{n / 1e9:>8.2f} GB{mha_bytes // n:>7}x"
               f"{note if kv == same_g else ''}")
+    if same_g is None:                                     # e.g. N_HEADS = 6, N_KV_HEADS = 2: g = 3
+        print(f"   (no row has your demo's g = {g}: {LLAMA_HEADS} query heads do not split into groups of {g})")
 
     print(f"\n3. Published models at their own shapes ({CACHE_BYTES_PER_ELEM}-byte numbers, {CACHE_TOKENS} tokens, batch 1): "
           f"how many requests fit in {GPU_CACHE_GB} GB of cache")

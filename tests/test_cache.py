@@ -29,7 +29,7 @@ def test_kv_cache_bytes_known_answers():
 def test_the_printed_tables(capsys):
     mha.print_cache_tables(4)                              # the demo's g = 2: the 32-head shape's GQA-16
     out = capsys.readouterr().out
-    assert "GQA-16           16    1.07 GB      2x   <- g = 2" in out
+    assert "GQA-16           16    1.07 GB      2x   <- g = 2" in out and "no row has" not in out
     assert "MHA's 2,147,483,648 bytes are 2.15 GB but 2.00 GiB" in out
     for row in ["Llama-2-7B               32   32   32  128  MHA        2.15 GB        18",
                 "Llama-2-70B              80   64    8  128  GQA-8      1.34 GB        29",
@@ -39,12 +39,26 @@ def test_the_printed_tables(capsys):
         assert row in out, row
 
 
+def test_a_demo_g_that_no_row_has_is_said(monkeypatch, capsys):
+    monkeypatch.setattr(mha, "N_HEADS", 6)                 # 6 query heads, 2 K/V heads: g = 3 does not divide 32
+    mha.print_cache_tables(2)
+    out = capsys.readouterr().out
+    assert "(no row has your demo's g = 3: 32 query heads do not split into groups of 3)" in out
+    assert "<- g =" not in out
+
+
 @pytest.mark.parametrize("kv", [8, 4, 1])
 def test_new_cache_shape_dtype_and_bytes(kv):
     cache = module(8, kv, torch.float64).new_cache(batch=3, max_len=50)
     assert cache.k.shape == cache.v.shape == (3, kv, 50, 16)
     assert cache.k.dtype == torch.float64 and cache.length == 0
     assert cache.nbytes == mha.kv_cache_bytes(1, kv, 16, 50, batch=3, bytes_per_elem=8)
+
+
+def test_new_cache_is_made_where_the_weights_are():
+    """A module moved to another device gets its cache there ('meta' stands in for a GPU: no memory, no data)."""
+    cache = mha.CausalMHA(32, 4, 2).to("meta").new_cache(batch=2, max_len=5)
+    assert cache.k.device.type == cache.v.device.type == "meta" and cache.k.shape == (2, 2, 5, 8)
 
 
 # ----------------------------------------------------------------------------- decoding

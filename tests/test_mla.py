@@ -172,6 +172,11 @@ def test_new_cache_bytes_match_the_formula(B, max_len, dtype):
     assert cache.c.dtype == cache.k_rope.dtype == dtype and cache.length == 0
 
 
+def test_new_cache_is_made_where_the_weights_are():
+    cache = module(dc=12, dr=6).to("meta").new_cache(2, 5)       # 'meta' stands in for a GPU
+    assert cache.c.device.type == cache.k_rope.device.type == "meta"
+
+
 def test_latent_cache_bytes_known_answers():
     assert mla.latent_cache_bytes(60, 512, 64, 4096) == 283115520             # DeepSeek-V2, bf16: 0.28 GB
     assert mla.latent_cache_bytes(27, 512, 64, 4096) == 127401984             # DeepSeek-V2-Lite
