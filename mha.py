@@ -205,22 +205,21 @@ class CausalMHA(nn.Module):
         check_call(self, x, need_weights, cache, fused)    # one sentence, before anything is written
         B, T, _ = x.shape
         h, kv, dh = self.n_heads, self.n_kv_heads, self.d_head
-        # Each token's q (h*dh numbers), k and v (kv*dh each) are cut into heads of dh numbers.
-        # The textbook projects x as it is and splits off the heads: q = q.view(B, T, h, dh).transpose(1, 2).
-        # We project time-major, (T, B, d), as nn.MultiheadAttention does: the same numbers in the same
-        # places, but some CPUs round the two layouts differently in the last bit.
-        qkv = self.in_proj(x.transpose(0, 1))              # (T, B, d) -> (T, B, (h + 2kv) dh)
+        # Each token's q (h*dh numbers), k and v (kv*dh each) are cut into heads of dh numbers. The textbook
+        # writes qkv = self.in_proj(x); we multiply time-major, (T, B, d), as nn.MultiheadAttention does, and
+        # turn back at once: the same numbers, but some CPUs round the two layouts differently in the last bit.
+        qkv = self.in_proj(x.transpose(0, 1)).transpose(0, 1)   # (T, B, d) -> (T, B, (h+2kv) dh) -> (B, T, ...)
         q, k, v = qkv.split([h * dh, kv * dh, kv * dh], dim=-1)
-        q = q.view(T, B, h, dh).permute(1, 2, 0, 3)        # (T, B, h, dh) -> (B, h, T, dh): dims 1, 2, 0, 3
-        k = k.view(T, B, kv, dh).permute(1, 2, 0, 3)       # (T, B, kv, dh) -> (B, kv, T, dh)
-        v = v.view(T, B, kv, dh).permute(1, 2, 0, 3)       # (T, B, kv, dh) -> (B, kv, T, dh)
+        q = q.view(B, T, h, dh).transpose(1, 2)            # (B, T, h*dh) -> (B, T, h, dh) -> (B, h, T, dh)
+        k = k.view(B, T, kv, dh).transpose(1, 2)           # (B, T, kv*dh) -> (B, kv, T, dh)
+        v = v.view(B, T, kv, dh).transpose(1, 2)           # (B, T, kv*dh) -> (B, kv, T, dh)
         if cache is not None:
             k, v = cache.append(k, v)                      # (B, kv, S, dh), S = cached + T
         if fused:
             o, p = attend_fused(q, k, v), None             # (B, h, T, dh)
         else:
             o, p = attend(q, k, v)                         # (B, h, T, dh), (B, h, T, S)
-        o = o.permute(2, 0, 1, 3).reshape(T * B, h * dh)   # (B, h, T, dh) -> (T, B, h, dh) -> (T*B, d): undoes q's
+        o = o.permute(2, 0, 1, 3).reshape(T * B, h * dh)   # (B, h, T, dh) -> (T, B, h, dh) -> (T*B, d): time-major
         y = self.out_proj(o).view(T, B, -1).transpose(0, 1)  # (T*B, d) -> (B, T, d), back to x's layout
         return (y, p) if need_weights else y
 
