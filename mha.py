@@ -14,8 +14,8 @@ Multi-head attention, and its grouped-query (GQA) and multi-query (MQA) variants
      ceilings of this machine, measured (the roofline).
 A first read can skip the checks against PyTorch and the roofline. After main(): tables, figures, plumbing.
 
-Not here: training, and what GQA costs (quality.py, which also converts a trained MHA with to_gqa); what
-came after GQA (mla.py); dropout, padding masks, cross-attention, positional encodings.
+Not here: training and what GQA costs (quality.py), what came after GQA (mla.py), dropout, padding masks,
+cross-attention, positional encodings.
 
 Run:    python mha.py  (a few seconds; writes figures/)     python mha.py --n-kv-heads 2  (or edit N_KV_HEADS)
 Papers: Vaswani et al. 2017, arXiv:1706.03762; Shazeer 2019, arXiv:1911.02150; Ainslie et al. 2023,
@@ -61,8 +61,8 @@ PUBLISHED_MODELS = {
     "Llama-2-7B": (32, 32, 32, 128),
     "Llama-2-70B": (80, 64, 8, 128),
     "Llama-3-8B": (32, 32, 8, 128),
-    "Mistral-7B-v0.2": (32, 32, 8, 128),   # v0.1's 4096-token sliding window capped its cache there
-    "Falcon-7B": (32, 71, 1, 64),
+    "Mistral-7B-v0.2": (32, 32, 8, 128),   # v0.1 sees only the last 4096 tokens: its cache stops there
+    "Falcon-7B": (32, 71, 1, 64),          # Falcon trained at 2048 tokens: 4096 is a what-if for both
     "Falcon-40B": (60, 128, 8, 64),
     "Gemma-2B": (18, 8, 1, 256),
 }
@@ -132,8 +132,8 @@ def attend(q, k, v):
     # E.g. h=8, kv=2 (g=4), T=3: block 1 holds heads 4..7; its row 5 is head 4 + 5 // 3 = 5 at token 5 % 3 = 2;
     # with B=2, block 3 = 1*2 + 1 is group 1 of sequence 1.
     # PyTorch multiplies q by sqrt(1 / dh); dividing by sqrt(dh) would differ in the last bit.
-    q = q.view(B, kv, g, T, dh)                            # (B, h, T, dh) -> (B, kv, g, T, dh): head j*g + i at [:, j, i]
-    q = q.reshape(B * kv, g * T, dh) * math.sqrt(1.0 / dh)   # (B, kv, g, T, dh) -> (B*kv, g*T, dh)
+    q = q.view(B, kv, g, T, dh)                            # (B, h, T, dh) -> (B, kv, g, T, dh): a view, never a copy
+    q = q.reshape(B * kv, g * T, dh) * math.sqrt(1.0 / dh)   # -> (B*kv, g*T, dh): may copy q, which is small
     k = k.reshape(B * kv, S, dh)                           # (B, kv, S, dh) -> (B*kv, S, dh): a cache's K, not copied
     v = v.reshape(B * kv, S, dh)                           # (B, kv, S, dh) -> (B*kv, S, dh)
     # The rows are g blocks of T tokens, so here .repeat is right: each block needs the same (T, S) mask.
@@ -206,8 +206,8 @@ class CausalMHA(nn.Module):
         B, T, _ = x.shape
         h, kv, dh = self.n_heads, self.n_kv_heads, self.d_head
         # Each token's q (h*dh numbers), k and v (kv*dh each) are cut into heads of dh numbers. The textbook
-        # writes qkv = self.in_proj(x); we multiply time-major, (T, B, d), as nn.MultiheadAttention does, and
-        # turn back at once: the same numbers, but some CPUs round the two layouts differently in the last bit.
+        # writes in_proj(x) and out_proj(o.transpose(1, 2).reshape(B, T, d)); we multiply time-major, (T, B, d),
+        # as nn.MultiheadAttention does: the same numbers, but some CPUs round the two layouts apart in the last bit.
         qkv = self.in_proj(x.transpose(0, 1)).transpose(0, 1)   # (T, B, d) -> (T, B, (h+2kv) dh) -> (B, T, ...)
         q, k, v = qkv.split([h * dh, kv * dh, kv * dh], dim=-1)
         q = q.view(B, T, h, dh).transpose(1, 2)            # (B, T, h*dh) -> (B, T, h, dh) -> (B, h, T, dh)
@@ -285,9 +285,9 @@ def max_diff_vs_torch(attn, x, ref=None, fused=False):
 def swap_query_heads(attn, i, j):
     """Swap the query rows of heads i and j in place: a copy with two heads in the wrong order.
 
-    Swapping two heads everywhere would change nothing: their outputs would come out swapped, and out_proj's
-    swapped columns would put them back. Swapping only their queries pairs head i's queries with head j's
-    keys, as a wrong reshape would.
+    Swapping two heads everywhere (q, k, v and out_proj's columns) would change nothing: their outputs would
+    come out swapped, and out_proj's swapped columns would put them back. Swapping only their queries pairs
+    head i's queries with head j's keys, as a wrong reshape would.
     """
     dh = attn.d_head
     with torch.no_grad():
@@ -312,7 +312,7 @@ def run_checks(n_kv_heads, seed):
     x = torch.randn(BATCH, SEQ_LEN, D_MODEL)               # (B, T, d)
     copy = CausalMHA.from_torch(ref)
     y_diff, w_diff = max_diff_vs_torch(copy, x, ref)
-    ok = report("MHA   written out vs nn.MHA(need_weights=True)", y_diff, 0.0)
+    ok = report("MHA   written out vs nn.MHA(need_weights=True)", y_diff, 0.0)   # prints it, True if OK
     ok &= report("MHA   the same, per-head weights", w_diff, 0.0)
     ok &= report("MHA   fused vs nn.MHA(need_weights=False)", max_diff_vs_torch(copy, x, ref, fused=True)[0], 0.0)
     with torch.no_grad():                                  # PyTorch's own two paths, against each other
@@ -552,7 +552,7 @@ def measure_decode(contexts=DECODE_CONTEXTS, kv_heads=LLAMA_KV_HEADS, rounds=DEC
     a = torch.randn(MATMUL_N, MATMUL_N)
     jobs = [("matmul", 0, math.inf, torch.mm, (a, a))]     # (what, kv, S, function, its arguments)
     for kv in kv_heads:
-        pair = torch.full((2, 1, kv, max(contexts), LLAMA_D_HEAD), 0.01)   # a preallocated cache: (2, B, kv, max_len, dh)
+        pair = torch.full((2, 1, kv, max(contexts), LLAMA_D_HEAD), 0.01)   # preallocated: (2, B, kv, max_len, dh)
         for S in contexts:
             jobs.append(("steps", kv, S, attend, (q, *pair[:, :, :, :S])))   # k, v: (B, kv, S, dh) each
             jobs.append(("reads", kv, S, torch.sum, (pair[:, :, :, :S],)))
