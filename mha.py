@@ -118,9 +118,9 @@ def attend(q, k, v):
 
     The g query heads of a group are stacked as the g*T rows of one "head", which reads its K/V head once,
     never g copies of it. Nothing else changes: a row of q @ k^T comes from its own query row alone, and the
-    softmax and p @ v work row by row, so each row gets what its own head would have. With g = 1 (MHA)
-    nothing is stacked, and this is the textbook form in nn.MultiheadAttention's own operations and order
-    (q scaled first, the mask added by baddbmm): the same bits.
+    softmax and p @ v work row by row, so each row gets what its own head would have.
+    Bits: with g = 1 (MHA) nothing is stacked, and this is the textbook form in nn.MultiheadAttention's own
+    operations and order (q scaled first, the mask added by baddbmm), so the same bits.
     """
     B, h, T, dh = q.shape
     kv, S = k.shape[1], k.shape[2]
@@ -131,7 +131,7 @@ def attend(q, k, v):
     #                                  block 1: q2t0 q2t1 q3t0 q3t1  -> all read k1, v1
     # E.g. h=8, kv=2 (g=4), T=3: block 1 holds heads 4..7; its row 5 is head 4 + 5 // 3 = 5 at token 5 % 3 = 2;
     # with B=2, block 3 = 1*2 + 1 is group 1 of sequence 1.
-    # PyTorch multiplies q by sqrt(1 / dh); dividing by sqrt(dh) would differ in the last bit.
+    # Bits: PyTorch multiplies q by sqrt(1 / dh); dividing by sqrt(dh) would differ in the last bit.
     q = q.view(B, kv, g, T, dh)                            # (B, h, T, dh) -> (B, kv, g, T, dh): a view, never a copy
     q = q.reshape(B * kv, g * T, dh) * math.sqrt(1.0 / dh)   # -> (B*kv, g*T, dh): may copy q, which is small
     k = k.reshape(B * kv, S, dh)                           # (B, kv, S, dh) -> (B*kv, S, dh): a cache's K, not copied
@@ -205,9 +205,9 @@ class CausalMHA(nn.Module):
         check_call(self, x, need_weights, cache, fused)    # one sentence, before anything is written
         B, T, _ = x.shape
         h, kv, dh = self.n_heads, self.n_kv_heads, self.d_head
-        # Each token's q (h*dh numbers), k and v (kv*dh each) are cut into heads of dh numbers. The textbook
-        # writes in_proj(x) and out_proj(o.transpose(1, 2).reshape(B, T, d)); we multiply time-major, (T, B, d),
-        # as nn.MultiheadAttention does: the same numbers, but some CPUs round the two layouts apart in the last bit.
+        # Each token's q (h*dh numbers), k and v (kv*dh each) are cut into heads of dh numbers.
+        # Bits: the textbook writes in_proj(x) and out_proj(o.transpose(1, 2).reshape(B, T, d)); we multiply
+        # time-major, (T, B, d), as nn.MultiheadAttention does: some CPUs round the two layouts apart.
         qkv = self.in_proj(x.transpose(0, 1)).transpose(0, 1)   # (T, B, d) -> (T, B, (h+2kv) dh) -> (B, T, ...)
         q, k, v = qkv.split([h * dh, kv * dh, kv * dh], dim=-1)
         q = q.view(B, T, h, dh).transpose(1, 2)            # (B, T, h*dh) -> (B, T, h, dh) -> (B, h, T, dh)
