@@ -6,9 +6,9 @@ Multi-head attention, and its grouped-query (GQA) and multi-query (MQA) variants
      where each group of query heads shares one key/value head; 1 is multi-query attention (MQA, Shazeer 2019).
   2. The attention written out twice: the textbook form, softmax(q k^T / sqrt(dh) + mask) v with each K/V head
      copied to its query heads, then attend(), the same result without the copies. PyTorch's fused call too.
-  3. Printed as section 1, the proof that the reshapes are right: with the weights of PyTorch's
+  3. Printed as section 1, the evidence that the reshapes are right: with the weights of PyTorch's
      nn.MultiheadAttention copied in, MHA gives the same output to the last bit (max difference exactly 0.0);
-     GQA and MQA within 2e-6 of three references that copy their K/V heads.
+     the chosen GQA or MQA within 2e-6 of three references that copy their K/V heads.
   4. Sections 2 and 3, the KV cache in bytes for real models: with many requests, it caps how many fit.
   5. Sections 4 and 5, decoding with a real cache, and a lower bound on a decode step's time from two
      ceilings of this machine, measured (the roofline).
@@ -21,7 +21,7 @@ Run:    python mha.py  (a few seconds; writes figures/)     python mha.py --n-kv
 Papers: Vaswani et al. 2017, arXiv:1706.03762; Shazeer 2019, arXiv:1911.02150; Ainslie et al. 2023,
         arXiv:2305.13245; Williams, Waterman and Patterson 2009, "Roofline" (Communications of the ACM).
 Shapes: B batch, T tokens in this call, d model width, h query heads, kv key/value heads, g = h / kv query
-        heads per K/V head, dh = d / h head width, S keys a query can see (cached tokens plus the new ones).
+        heads per K/V head, dh = d / h head width, S keys in the call (cached plus new tokens).
 """
 
 import argparse
@@ -50,7 +50,7 @@ LLAMA_LAYERS, LLAMA_HEADS, LLAMA_D_HEAD = 32, 32, 128    # layers, query heads, 
 LLAMA_KV_HEADS = (32, 8, 4, 1)    # K/V heads compared: MHA, GQA-8, GQA-4, MQA
 CACHE_TOKENS = 4096               # context length of the tables
 CACHE_BYTES_PER_ELEM = 2          # bytes per cached number: 2 = fp16/bf16, 1 = fp8, 4 = fp32
-GPU_CACHE_GB = 40                 # memory set aside for the cache on one GPU, GB (1 GB = 1e9 bytes)
+GPU_CACHE_GB = 40                 # GPU memory set aside for the cache, GB (1 GB = 1e9 bytes)
 DECODE_CONTEXTS = (256, 512, 1024, 2048, 4096, 8192)   # cached tokens at which a decode step is timed
 DECODE_ROUNDS = 5                 # each decode time is the best of this many rounds
 MATMUL_N = 512                    # the FLOP/s ceiling: a (512, 512) @ (512, 512) float32 product
@@ -61,7 +61,7 @@ PUBLISHED_MODELS = {
     "Llama-2-7B": (32, 32, 32, 128),
     "Llama-2-70B": (80, 64, 8, 128),
     "Llama-3-8B": (32, 32, 8, 128),
-    "Mistral-7B-v0.2": (32, 32, 8, 128),   # v0.1 sees only the last 4096 tokens: its cache stops there
+    "Mistral-7B-v0.2": (32, 32, 8, 128),   # v0.1's layers see 4096 tokens back: its cache stops there
     "Falcon-7B": (32, 71, 1, 64),          # Falcon trained at 2048 tokens: 4096 is a what-if for both
     "Falcon-40B": (60, 128, 8, 64),
     "Gemma-2B": (18, 8, 1, 256),
@@ -94,10 +94,9 @@ def attend_textbook(q, k, v):
 
     q: (B, h, T, dh), the queries of the T newest tokens; k, v: (B, kv, S, dh), the keys and values of all
     S tokens so far, the T newest last. A query scores every key by a dot product; a sum of dh products of
-    numbers of standard deviation 1 has one of sqrt(dh), so dividing by it keeps the softmax from saturating
-    (one weight near 1, the rest near 0);
-    the softmax turns a query's scores into weights p that sum to 1; its output o is the weighted average of
-    the values, (B, h, T, dh).
+    independent numbers of mean 0 and standard deviation 1 has one of sqrt(dh), so dividing by it keeps the
+    softmax from saturating (one weight near 1, the rest near 0); the softmax turns a query's scores into
+    weights p that sum to 1; its output o is the weighted average of the values, (B, h, T, dh).
     For GQA each K/V head is first copied to the g query heads of its group (here h=4, kv=2, g=2):
 
         query heads   q0  q1 | q2  q3          the same picture as k.repeat_interleave(g, dim=1),
@@ -131,7 +130,7 @@ def attend(q, k, v):
     #                                  block 1: q2t0 q2t1 q3t0 q3t1  -> all read k1, v1
     # E.g. h=8, kv=2 (g=4), T=3: block 1 holds heads 4..7; its row 5 is head 4 + 5 // 3 = 5 at token 5 % 3 = 2;
     # with B=2, block 3 = 1*2 + 1 is group 1 of sequence 1.
-    # Bits: PyTorch multiplies q by sqrt(1 / dh); dividing by sqrt(dh) would differ in the last bit.
+    # Bits: PyTorch multiplies q by sqrt(1 / dh); dividing by sqrt(dh) can differ in the last bit.
     q = q.view(B, kv, g, T, dh)                            # (B, h, T, dh) -> (B, kv, g, T, dh): a view, never a copy
     q = q.reshape(B * kv, g * T, dh) * math.sqrt(1.0 / dh)   # -> (B*kv, g*T, dh): may copy q, which is small
     k = k.reshape(B * kv, S, dh)                           # (B, kv, S, dh) -> (B*kv, S, dh): a cache's K, not copied
@@ -149,7 +148,7 @@ def attend_fused(q, k, v):
     """The same attention in PyTorch's one fused call, the one nn.MultiheadAttention(need_weights=False) runs.
 
     softmax(q k^T / sqrt(dh) + mask) v in one call, on attend's stacked rows. It never stores p, which often
-    makes it faster, and rounds differently from attend() in the last bit. A decode step (T = 1) needs no
+    makes it faster, and can round differently from attend() in the last bit. A decode step (T = 1) needs no
     mask: a single new token sees every key.
     """
     B, h, T, dh = q.shape
@@ -355,7 +354,7 @@ def llama_cache_bytes(n_kv_heads, tokens=CACHE_TOKENS):
 # A model generates one token at a time, and each new token attends to every token before it. Their keys
 # and values never change (causal: in every layer a token's k and v depend on it and earlier tokens only),
 # so they are kept, the KV cache, and each step projects the new token alone: forward(x_new, cache=...).
-# Queries are not kept: only the new token's is ever used. Cached, the outputs must equal one full forward.
+# Queries are not kept: only the new token's is ever used. Cached, the outputs must match one full forward.
 def check_cache(n_kv_heads, seed):
     """Real caches: their bytes against the formula, and cached decoding against one full forward."""
     ok, max_len = True, 512
@@ -391,7 +390,8 @@ def check_cache(n_kv_heads, seed):
 # Which one decides is told by the FLOPs per byte, 4 h S dh / (2 kv S dh x 4 bytes) = h / (2 kv) = g / 2 in
 # fp32, against the ridge, FLOP rate / read rate: below it the bytes decide, above it the FLOPs. Both rates
 # are measured in the same run: a timed sum of each step's own K and V (a small one fits in the CPU's on-chip
-# L2/L3 memory and reads faster), and a 512x512 matmul, about the fastest this CPU computes.
+# L2/L3 memory and reads faster), and a 512x512 matmul: rates this CPU reaches, not its peaks, so the floor
+# is an estimate.
 def decode_flops(n_heads, d_head, S):
     """FLOPs of one new token's attention over S keys: 4 h S dh.  decode_flops(32, 128, 4096) == 67108864"""
     return 4 * n_heads * S * d_head
