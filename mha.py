@@ -93,10 +93,10 @@ def attend_textbook(q, k, v):
     """softmax(q k^T / sqrt(dh) + causal mask) v, head by head, as textbooks write it; returns o and p.
 
     q: (B, h, T, dh), the queries of the T newest tokens; k, v: (B, kv, S, dh), the keys and values of all
-    S tokens so far, the T newest last. A query scores every key by a dot product; a sum of dh products of
-    independent numbers of mean 0 and standard deviation 1 has one of sqrt(dh), so dividing by it keeps the
-    softmax from saturating (one weight near 1, the rest near 0); the softmax turns a query's scores into
-    weights p that sum to 1; its output o is the weighted average of the values, (B, h, T, dh).
+    S tokens so far, the T newest last. A query scores every key by a dot product: a sum of dh products of
+    independent numbers of mean 0 and standard deviation 1 has standard deviation sqrt(dh), and dividing by
+    it keeps the softmax from saturating (one weight near 1, the rest near 0). The softmax turns a query's
+    scores into weights p that sum to 1; its output o is the weighted average of the values, (B, h, T, dh).
     For GQA each K/V head is first copied to the g query heads of its group (here h=4, kv=2, g=2):
 
         query heads   q0  q1 | q2  q3          the same picture as k.repeat_interleave(g, dim=1),
@@ -131,7 +131,7 @@ def attend(q, k, v):
     # E.g. h=8, kv=2 (g=4), T=3: block 1 holds heads 4..7; its row 5 is head 4 + 5 // 3 = 5 at token 5 % 3 = 2;
     # with B=2, block 3 = 1*2 + 1 is group 1 of sequence 1.
     # Bits: PyTorch multiplies q by sqrt(1 / dh); dividing by sqrt(dh) can differ in the last bit.
-    q = q.view(B, kv, g, T, dh)                            # (B, h, T, dh) -> (B, kv, g, T, dh): a view, never a copy
+    q = q.view(B, kv, g, T, dh)                            # (B, h, T, dh) -> (B, kv, g, T, dh): head j*g + r at [:, j, r]
     q = q.reshape(B * kv, g * T, dh) * math.sqrt(1.0 / dh)   # -> (B*kv, g*T, dh): may copy q, which is small
     k = k.reshape(B * kv, S, dh)                           # (B, kv, S, dh) -> (B*kv, S, dh): a cache's K, not copied
     v = v.reshape(B * kv, S, dh)                           # (B, kv, S, dh) -> (B*kv, S, dh)
@@ -155,7 +155,7 @@ def attend_fused(q, k, v):
     kv, S = k.shape[1], k.shape[2]
     q = q.reshape(B, kv, (h // kv) * T, dh)                # (B, h, T, dh) -> (B, kv, g*T, dh), as in attend
     mask = causal_mask(T, S, q.dtype).repeat(h // kv, 1) if T > 1 else None   # (g*T, S)
-    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)   # (B, kv, g*T, dh)
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)   # (B, kv, g*T, dh); it scales by 1/sqrt(dh) itself
     return o.reshape(B, h, T, dh)                          # (B, kv, g*T, dh) -> (B, h, T, dh)
 
 
@@ -207,7 +207,7 @@ class CausalMHA(nn.Module):
         # Each token's q (h*dh numbers), k and v (kv*dh each) are cut into heads of dh numbers.
         # Bits: the textbook writes in_proj(x) and out_proj(o.transpose(1, 2).reshape(B, T, d)); we multiply
         # time-major, (T, B, d), as nn.MultiheadAttention does: some CPUs round the two layouts apart.
-        qkv = self.in_proj(x.transpose(0, 1)).transpose(0, 1)   # (T, B, d) -> (T, B, (h+2kv) dh) -> (B, T, ...)
+        qkv = self.in_proj(x.transpose(0, 1)).transpose(0, 1)   # in_proj(x), (B, T, (h + 2kv) dh), done time-major
         q, k, v = qkv.split([h * dh, kv * dh, kv * dh], dim=-1)
         q = q.view(B, T, h, dh).transpose(1, 2)            # (B, T, h*dh) -> (B, T, h, dh) -> (B, h, T, dh)
         k = k.view(B, T, kv, dh).transpose(1, 2)           # (B, T, kv*dh) -> (B, kv, T, dh)
@@ -712,6 +712,8 @@ def plot_decode_time(timing, problems):
                label=f"from memory: {roof.bandwidth / 1e9:.0f} GB/s; matmul {roof.flops / 1e9:.0f} GFLOP/s")
     right.axvline(roof.ridge, color="black", ls=":", lw=1)
     right.text(roof.ridge * 1.1, roof.flops / 1e9 * 3, f"ridge {roof.ridge:.1f} FLOPs/byte", fontsize=8)
+    right.text(roof.ridge / 4, roof.flops / 1e9 / 2.2, "memory-bound:\nthe bytes decide", fontsize=8, ha="right")
+    right.text(roof.ridge * 4, roof.flops / 1e9 * 1.3, "compute-bound: the FLOPs decide", fontsize=8)
     gpu_name, gpu_flops, gpu_bandwidth = GPU
     right.axvline(gpu_flops / gpu_bandwidth, color="gray", ls="--", lw=1,
                   label=f"{gpu_name} ridge: {gpu_flops / 1e12:.0f} TFLOP/s bf16 / {gpu_bandwidth / 1e12:.2f} TB/s"
