@@ -131,7 +131,7 @@ def attend(q, k, v):
     # E.g. h=8, kv=2 (g=4), T=3: block 1 holds heads 4..7; its row 5 is head 4 + 5 // 3 = 5 at token 5 % 3 = 2;
     # with B=2, block 3 = 1*2 + 1 is group 1 of sequence 1.
     # Bits: PyTorch multiplies q by sqrt(1 / dh); dividing by sqrt(dh) can differ in the last bit.
-    q = q.view(B, kv, g, T, dh)                            # (B, h, T, dh) -> (B, kv, g, T, dh): head j*g + r at [:, j, r]
+    q = q.view(B, kv, g, T, dh)                            # (B, h, T, dh) -> (B, kv, g, T, dh): head i to [:, i // g, i % g]
     q = q.reshape(B * kv, g * T, dh) * math.sqrt(1.0 / dh)   # -> (B*kv, g*T, dh): may copy q, which is small
     k = k.reshape(B * kv, S, dh)                           # (B, kv, S, dh) -> (B*kv, S, dh): a cache's K, not copied
     v = v.reshape(B * kv, S, dh)                           # (B, kv, S, dh) -> (B*kv, S, dh)
@@ -218,7 +218,7 @@ class CausalMHA(nn.Module):
             o, p = attend_fused(q, k, v), None             # (B, h, T, dh)
         else:
             o, p = attend(q, k, v)                         # (B, h, T, dh), (B, h, T, S)
-        o = o.permute(2, 0, 1, 3).reshape(T * B, h * dh)   # (B, h, T, dh) -> (T, B, h, dh) -> (T*B, d): time-major
+        o = o.permute(2, 0, 1, 3).reshape(T * B, h * dh)   # o.transpose(1, 2).reshape(B, T, d), done time-major
         y = self.out_proj(o).view(T, B, -1).transpose(0, 1)  # (T*B, d) -> (B, T, d), back to x's layout
         return (y, p) if need_weights else y
 
@@ -389,8 +389,8 @@ def check_cache(n_kv_heads, seed):
 # the arithmetic 1.3 ms: the step waits on memory. MQA reads 32x fewer bytes (0.4 ms), so its FLOPs decide.
 # Which one decides is told by the FLOPs per byte, 4 h S dh / (2 kv S dh x 4 bytes) = h / (2 kv) = g / 2 in
 # fp32, against the ridge, FLOP rate / read rate: below it the bytes decide, above it the FLOPs. Both rates
-# are measured in the same run: a timed sum of each step's own K and V (a small one fits in the CPU's on-chip
-# L2/L3 memory and reads faster), and a 512x512 matmul: rates this CPU reaches, not its peaks, so the floor
+# are measured in the same run: a timed sum of each step's own K and V (a small one fits in the CPU's own
+# L2/L3 cache, not the KV cache, and reads faster), and a 512x512 matmul: rates this CPU reaches, not its peaks, so the floor
 # is an estimate.
 def decode_flops(n_heads, d_head, S):
     """FLOPs of one new token's attention over S keys: 4 h S dh.  decode_flops(32, 128, 4096) == 67108864"""
@@ -609,7 +609,8 @@ def print_decode_table(timing, problems):
           "   step's matmuls have few query rows per K/V head, and PyTorch runs those slower than a sum reads\n"
           "   or a square matmul computes (LABNOTES.md measures both).\n"
           f"   An {gpu_name}'s ridge is at {gpu_flops / gpu_bandwidth:.0f} FLOPs per byte, and a step on 2-byte bf16 "
-          "numbers does g\n   FLOPs per byte: there all of these lie below the ridge, whatever the batch.")
+          "numbers does g\n   FLOPs per byte: there all of these lie below the ridge, whatever the batch, since each "
+          "request reads\n   its own cache.")
 
 
 # ----------------------------------------------------------------------------- figures
