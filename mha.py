@@ -131,7 +131,7 @@ def attend(q, k, v):
     # E.g. h=8, kv=2 (g=4), T=3: block 1 holds heads 4..7; its row 5 is head 4 + 5 // 3 = 5 at token 5 % 3 = 2;
     # with B=2, block 3 = 1*2 + 1 is group 1 of sequence 1.
     # Bits: PyTorch multiplies q by sqrt(1 / dh); dividing by sqrt(dh) can differ in the last bit.
-    q = q.view(B, kv, g, T, dh)                            # (B, h, T, dh) -> (B, kv, g, T, dh): head i to [:, i // g, i % g]
+    q = q.view(B, kv, g, T, dh)                        # (B, h, T, dh) -> (B, kv, g, T, dh): head i to [:, i // g, i % g]
     q = q.reshape(B * kv, g * T, dh) * math.sqrt(1.0 / dh)   # -> (B*kv, g*T, dh): may copy q, which is small
     k = k.reshape(B * kv, S, dh)                           # (B, kv, S, dh) -> (B*kv, S, dh): a cache's K, not copied
     v = v.reshape(B * kv, S, dh)                           # (B, kv, S, dh) -> (B*kv, S, dh)
@@ -206,7 +206,7 @@ class CausalMHA(nn.Module):
         h, kv, dh = self.n_heads, self.n_kv_heads, self.d_head
         # Each token's q (h*dh numbers), k and v (kv*dh each) are cut into heads of dh numbers.
         # Bits: the textbook writes in_proj(x) and out_proj(o.transpose(1, 2).reshape(B, T, d)); we multiply
-        # time-major, (T, B, d), as nn.MultiheadAttention does: some CPUs round the two layouts apart.
+        # time-major, (T, B, d), as nn.MultiheadAttention does: some CPUs round the two layouts differently.
         qkv = self.in_proj(x.transpose(0, 1)).transpose(0, 1)   # in_proj(x), (B, T, (h + 2kv) dh), done time-major
         q, k, v = qkv.split([h * dh, kv * dh, kv * dh], dim=-1)
         q = q.view(B, T, h, dh).transpose(1, 2)            # (B, T, h*dh) -> (B, T, h, dh) -> (B, h, T, dh)
@@ -390,8 +390,8 @@ def check_cache(n_kv_heads, seed):
 # Which one decides is told by the FLOPs per byte, 4 h S dh / (2 kv S dh x 4 bytes) = h / (2 kv) = g / 2 in
 # fp32, against the ridge, FLOP rate / read rate: below it the bytes decide, above it the FLOPs. Both rates
 # are measured in the same run: a timed sum of each step's own K and V (a small one fits in the CPU's own
-# L2/L3 cache, not the KV cache, and reads faster), and a 512x512 matmul: rates this CPU reaches, not its peaks, so the floor
-# is an estimate.
+# L2/L3 cache, not the KV cache, and reads faster), and a 512x512 matmul. They are rates this CPU reaches,
+# not its peaks, so the floor is an estimate.
 def decode_flops(n_heads, d_head, S):
     """FLOPs of one new token's attention over S keys: 4 h S dh.  decode_flops(32, 128, 4096) == 67108864"""
     return 4 * n_heads * S * d_head
