@@ -477,9 +477,10 @@ def random_biases(module):
 
 def report(label, diff, tol):
     """Print one aligned line of evidence and return whether diff is within tol."""
+    ok = diff <= tol
     rule = "must be exactly 0" if tol == 0 else f"tolerance {tol:.0e}"
-    print(f"  {label:<52} = {diff:.2e}  {'OK' if diff <= tol else 'FAIL'}  ({rule})")
-    return diff <= tol
+    print(f"  {label:<52} = {diff:.2e}  {'OK' if ok else 'FAIL'}  ({rule})")
+    return ok
 
 
 def relative_diff(a, b):
@@ -497,10 +498,10 @@ def print_cache_tables(n_kv_heads):
     print(f"   GB = 1e9 bytes: MHA's {mha_bytes:,} bytes are {mha_bytes / 1e9:.2f} GB but {mha_bytes / 2**30:.2f} GiB")
     g = N_HEADS // n_kv_heads                              # query heads per K/V head in the demo
     same_g = LLAMA_HEADS // g if LLAMA_HEADS % g == 0 else None   # the Llama row with the demo's g
-    rows = sorted(set(LLAMA_KV_HEADS) | ({same_g} if same_g else set()), reverse=True)
+    rows = set(LLAMA_KV_HEADS) if same_g is None else set(LLAMA_KV_HEADS) | {same_g}
     print("   shrink = h / kv = g, the query heads per K/V head; GQA-N is named by its N K/V heads, not by g")
     print(f"   {'config':<8}{'n_kv_heads':>11}{'KV cache':>11}{'shrink':>8}")
-    for kv in rows:
+    for kv in sorted(rows, reverse=True):
         n = llama_cache_bytes(kv)
         note = f"   <- g = {g} query heads per K/V head, as in your demo's {attention_kind(N_HEADS, n_kv_heads)}"
         print(f"   {attention_kind(LLAMA_HEADS, kv):<8}{kv:>11}{n / 1e9:>8.2f} GB{mha_bytes // n:>7}x"
@@ -557,7 +558,8 @@ def measure_decode(contexts=DECODE_CONTEXTS, kv_heads=LLAMA_KV_HEADS, rounds=DEC
             jobs.append(("steps", kv, S, attend, (q, *pair[:, :, :, :S])))   # k, v: (B, kv, S, dh) each
             jobs.append(("reads", kv, S, torch.sum, (pair[:, :, :, :S],)))
     jobs.sort(key=lambda job: -job[2])                     # longest context first (the sort is stable)
-    best, start = {}, cpu_seconds()
+    best = {}
+    start = cpu_seconds()                                  # to see what other programs ran meanwhile
     with torch.no_grad():
         for _ in range(rounds):                            # every job once a round: load cannot hit one alone
             for what, kv, S, fn, args in jobs:
@@ -917,13 +919,15 @@ def machine_name():
     name = platform.processor() or platform.machine()
     if os.path.exists("/proc/cpuinfo"):
         with open("/proc/cpuinfo") as f:
-            name = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), name)
+            names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
+        name = names[0] if names else name
     threads = torch.get_num_threads()
     return f"{name}, {threads} thread{'s' if threads > 1 else ''}, {torch.backends.cpu.get_cpu_capability()}"
 
 
 def cpu_seconds():
-    """(wall clock, busy CPU seconds of the machine from /proc/stat, of this process), or None off Linux."""
+    """(wall clock, busy CPU seconds of the machine from /proc/stat, of this process and its children), or None
+    off Linux."""
     if not os.path.exists("/proc/stat"):
         return None
     with open("/proc/stat") as f:

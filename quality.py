@@ -215,7 +215,8 @@ def lr_at(step, steps):
 
 
 def train(model, data, starts, schedule, evaluate_at=()):
-    """Train model in place on starts (steps, B) at schedule(step, steps): {step: validation bits/char} of evaluate_at."""
+    """Train model in place on starts (steps, B) at schedule(step, steps); return {step: validation bits/char
+    before that step} for each step in evaluate_at (len(starts): after the last)."""
     decay = [p for n, p in model.named_parameters() if p.dim() == 2 and n != "pos"]   # weight matrices only
     rest = [p for n, p in model.named_parameters() if not (p.dim() == 2 and n != "pos")]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": WEIGHT_DECAY}, {"params": rest, "weight_decay": 0.0}],
