@@ -124,15 +124,12 @@ def attend(q, k, v):
     B, h, T, dh = q.shape
     kv, S = k.shape[1], k.shape[2]
     g = h // kv
-    # Since h = kv * g, the heads split into kv groups of g; then (B, kv) merge into blocks and (g, T) into
-    # rows: block b*kv + j is group j of sequence b, and its row r is query head j*g + r // T at token r % T.
-    #     h=4, kv=2 (g=2), T=2, B=1:   block 0: q0t0 q0t1 q1t0 q1t1  -> all read k0, v0
-    #                                  block 1: q2t0 q2t1 q3t0 q3t1  -> all read k1, v1
-    # E.g. h=8, kv=2 (g=4), T=3: block 1 holds heads 4..7; its row 5 is head 4 + 5 // 3 = 5 at token 5 % 3 = 2;
-    # with B=2, block 3 = 1*2 + 1 is group 1 of sequence 1.
+    # Query heads j*g .. j*g + g - 1 all read K/V head j, so their rows are stacked into one block per group:
+    #     h=4, kv=2 (g=2), T=2:   block 0: q0t0 q0t1 q1t0 q1t1  -> all read k0, v0
+    #                             block 1: q2t0 q2t1 q3t0 q3t1  -> all read k1, v1
+    # bmm multiplies stacks of matrices, so batch and group merge into one axis: block b*kv + j.
     # Bits: PyTorch multiplies q by sqrt(1 / dh); dividing by sqrt(dh) can differ in the last bit.
-    q = q.view(B, kv, g, T, dh)                        # (B, h, T, dh) -> (B, kv, g, T, dh): head i to [:, i // g, i % g]
-    q = q.reshape(B * kv, g * T, dh) * math.sqrt(1.0 / dh)   # -> (B*kv, g*T, dh): may copy q, which is small
+    q = q.reshape(B * kv, g * T, dh) * math.sqrt(1.0 / dh)   # (B, h, T, dh) -> (B*kv, g*T, dh), a small copy
     k = k.reshape(B * kv, S, dh)                           # (B, kv, S, dh) -> (B*kv, S, dh): a cache's K, not copied
     v = v.reshape(B * kv, S, dh)                           # (B, kv, S, dh) -> (B*kv, S, dh)
     # The rows are g blocks of T tokens, so here .repeat is right: each block needs the same (T, S) mask.
@@ -162,7 +159,12 @@ def attend_fused(q, k, v):
 @dataclass
 class KVCache:
     """Keys and values of every token seen so far, k, v: (B, kv, max_len, dh), preallocated to max_len tokens.
-    Only the first `length` positions hold tokens; setting `length` back rewinds the cache."""
+
+    A model generates one token at a time, and each new token attends to every token before it. Their keys
+    and values never change (in every layer a token's k and v depend on it and earlier tokens only), so they
+    are kept, and each step projects the new token alone: forward(x_new, cache=...). Queries are not kept:
+    only the new token's is ever used. Only the first `length` positions hold tokens; setting it back rewinds.
+    """
     k: torch.Tensor
     v: torch.Tensor
     length: int = 0
@@ -317,7 +319,7 @@ def run_checks(n_kv_heads, seed):
     with torch.no_grad():                                  # PyTorch's own two paths, against each other
         mask = causal_mask(SEQ_LEN, SEQ_LEN)
         own = (ref(x, x, x, attn_mask=mask)[0] - ref(x, x, x, attn_mask=mask, need_weights=False)[0]).abs().max()
-    print(f"  {'      PyTorch need_weights=True vs =False':<52} = {own:.2e}  (its own two orders)")
+    print(f"  {'      nn.MHA need_weights=True vs =False':<52} = {own:.2e}  (PyTorch against itself: not a check)")
 
     kind = attention_kind(N_HEADS, n_kv_heads)
     ours = random_module(n_kv_heads, seed + 1)
@@ -351,10 +353,7 @@ def llama_cache_bytes(n_kv_heads, tokens=CACHE_TOKENS):
 
 
 # ----------------------------------------------------------------------------- decoding with a cache
-# A model generates one token at a time, and each new token attends to every token before it. Their keys
-# and values never change (causal: in every layer a token's k and v depend on it and earlier tokens only),
-# so they are kept, the KV cache, and each step projects the new token alone: forward(x_new, cache=...).
-# Queries are not kept: only the new token's is ever used. Cached, the outputs must match one full forward.
+# A KVCache (above) holds what earlier steps computed, so cached decoding must give what one full forward gives.
 def check_cache(n_kv_heads, seed):
     """Real caches: their bytes against the formula, and cached decoding against one full forward."""
     ok, max_len = True, 512
@@ -591,11 +590,11 @@ def print_decode_table(timing, problems):
     h, kinds, s_max = LLAMA_HEADS, list(timing.steps), max(timing.contexts)
     ridge = timing.ceilings(h, s_max).ridge                # MHA's K and V at the longest context: the most bytes
     print(f"\n5. Decode step: one layer's attention (attend) over its cache, {h} query heads, dh={LLAMA_D_HEAD}, "
-          f"fp32,\n   best of {timing.rounds} rounds on {machine_name()}. Ceilings measured in the same rounds: a "
-          f"{MATMUL_N}x{MATMUL_N} matmul\n   at {timing.flops / 1e9:.0f} GFLOP/s, and each step's own K and V read "
-          f"(a sum); ridge with MHA's read at {s_max} tokens: {ridge:.1f} FLOPs/byte.")
-    print(f"   At {s_max} tokens:  floor = max(bytes / read rate, FLOPs / matmul rate), with each row's own read "
-          "rate;\n   bound: the ceiling that sets the floor, 'ridge' where the two times lie within 1 %")
+          f"fp32,\n   on {machine_name()}, best of {timing.rounds} rounds.")
+    print("   floor = max(bytes / read rate, FLOPs / matmul rate); read rate: a sum of the row's own K and V;")
+    print(f"   matmul rate: a {MATMUL_N}x{MATMUL_N} matmul, {timing.flops / 1e9:.0f} GFLOP/s; both timed in the same "
+          f"rounds. MHA's ridge: {ridge:.1f} FLOPs/byte.")
+    print(f"   At {s_max} tokens ('ridge': the two times within 1 %):")
     print(f"   {'config':<7}{'FLOP/byte':>10}{'read GB/s':>11}  {'bound':<8}{'floor ms':>9}{'measured':>10}{'reaches':>9}")
     for kv in kinds:
         (floor, bound), t = timing.floor(kv, s_max), timing.steps[kv][-1]
@@ -607,12 +606,10 @@ def print_decode_table(timing, problems):
         return
     fewest, (gpu_name, gpu_flops, gpu_bandwidth) = min(kinds), GPU
     print(f"   {attention_kind(h, fewest)} reads {h // fewest}x fewer bytes than MHA for the same FLOPs and is "
-          f"{timing.steps[h][-1] / timing.steps[fewest][-1]:.1f}x faster. Between measured and floor: a\n"
-          "   step's matmuls have few query rows per K/V head, and PyTorch runs those slower than a sum reads\n"
-          "   or a square matmul computes (LABNOTES.md measures both).\n"
-          f"   An {gpu_name}'s ridge is at {gpu_flops / gpu_bandwidth:.0f} FLOPs per byte, and a step on 2-byte bf16 "
-          "numbers does g\n   FLOPs per byte: there all of these lie below the ridge, whatever the batch, since each "
-          "request reads\n   its own cache.")
+          f"{timing.steps[h][-1] / timing.steps[fewest][-1]:.1f}x faster. The gap to the floor: a step's\n"
+          "   matmuls have few rows per K/V head, which PyTorch runs slower than its ceilings (LABNOTES.md).\n"
+          f"   On an {gpu_name} (ridge {gpu_flops / gpu_bandwidth:.0f} FLOPs/byte) a bf16 step does g FLOPs per "
+          "byte: all of these are memory-bound\n   there, at any batch, since each request reads its own cache.")
 
 
 # ----------------------------------------------------------------------------- figures

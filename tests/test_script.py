@@ -47,7 +47,7 @@ def test_default_run_prints_the_evidence(two_runs):
 def test_comparable_masks_only_tolerance_values_and_pytorch_against_itself():
     exact = "  MHA   fused vs nn.MHA(need_weights=False)  = 0.00e+00  OK  (must be exactly 0)"
     tol = "  GQA-4 written out vs F.sdpa(enable_gqa=True)  = 1.19e-07  OK  (tolerance 2e-06)"
-    own = "        PyTorch need_weights=True vs =False  = 1.79e-07  (its own two orders)"
+    own = "        nn.MHA need_weights=True vs =False  = 1.79e-07  (PyTorch against itself: not a check)"
     assert comparable(exact) == [exact] and comparable(exact) != comparable(exact.replace("0.00e+00", "2.38e-07"))
     assert comparable(tol) == comparable(tol.replace("1.19e-07", "1.79e-07")) != [tol]
     assert comparable(own) == comparable(own.replace("1.79e-07", "0.00e+00"))
