@@ -44,6 +44,7 @@ SEQ_LEN = 12         # T: tokens in the demo sequence (and the side of each atte
 BATCH = 2            # B: sequences in the demo batch
 SEED = 0             # every random number in the run comes from this seed
 OUT_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "figures")
+FIGURES = ["attention_maps.png", "kv_cache_size.png", "head_layout.png", "decode_time.png"]   # written to OUT_DIR
 
 # The KV-cache tables, the cache figure and the decode timing use Llama-7B-shaped attention.
 LLAMA_LAYERS, LLAMA_HEADS, LLAMA_D_HEAD = 32, 32, 128    # layers, query heads, head width
@@ -124,12 +125,13 @@ def attend(q, k, v):
     B, h, T, dh = q.shape
     kv, S = k.shape[1], k.shape[2]
     g = h // kv
-    # Query heads j*g .. j*g + g - 1 all read K/V head j, so their rows are stacked into one block per group:
+    # Heads are numbered group by group (h = kv x g), so reshaping (h, T) to (kv, g*T) puts the g heads of
+    # group j one after another: query heads j*g .. j*g + g - 1, which all read K/V head j, as one block:
     #     h=4, kv=2 (g=2), T=2:   block 0: q0t0 q0t1 q1t0 q1t1  -> all read k0, v0
     #                             block 1: q2t0 q2t1 q3t0 q3t1  -> all read k1, v1
     # bmm multiplies stacks of matrices, so batch and group merge into one axis: block b*kv + j.
     # Bits: PyTorch multiplies q by sqrt(1 / dh); dividing by sqrt(dh) can differ in the last bit.
-    q = q.reshape(B * kv, g * T, dh) * math.sqrt(1.0 / dh)   # (B, h, T, dh) -> (B*kv, g*T, dh), a small copy
+    q = q.reshape(B * kv, g * T, dh) * math.sqrt(1.0 / dh)   # (B, h, T, dh) -> (B*kv, g*T, dh); copies only q
     k = k.reshape(B * kv, S, dh)                           # (B, kv, S, dh) -> (B*kv, S, dh): a cache's K, not copied
     v = v.reshape(B * kv, S, dh)                           # (B, kv, S, dh) -> (B*kv, S, dh)
     # The rows are g blocks of T tokens, so here .repeat is right: each block needs the same (T, S) mask.
@@ -316,7 +318,7 @@ def run_checks(n_kv_heads, seed):
     ok = report("MHA   written out vs nn.MHA(need_weights=True)", y_diff, 0.0)   # prints it, True if OK
     ok &= report("MHA   the same, per-head weights", w_diff, 0.0)
     ok &= report("MHA   fused vs nn.MHA(need_weights=False)", max_diff_vs_torch(copy, x, ref, fused=True)[0], 0.0)
-    with torch.no_grad():                                  # PyTorch's own two paths, against each other
+    with torch.no_grad():                                  # PyTorch's two paths differ: a 0.0 is no accident
         mask = causal_mask(SEQ_LEN, SEQ_LEN)
         own = (ref(x, x, x, attn_mask=mask)[0] - ref(x, x, x, attn_mask=mask, need_weights=False)[0]).abs().max()
     print(f"  {'      nn.MHA need_weights=True vs =False':<52} = {own:.2e}  (PyTorch against itself: not a check)")
@@ -388,9 +390,9 @@ def check_cache(n_kv_heads, seed):
 # the arithmetic 1.3 ms: the step waits on memory. MQA reads 32x fewer bytes (0.4 ms), so its FLOPs decide.
 # Which one decides is told by the FLOPs per byte, 4 h S dh / (2 kv S dh x 4 bytes) = h / (2 kv) = g / 2 in
 # fp32, against the ridge, FLOP rate / read rate: below it the bytes decide, above it the FLOPs. Both rates
-# are measured in the same run: a timed sum of each step's own K and V (a small one fits in the CPU's own
-# L2/L3 cache, not the KV cache, and reads faster), and a 512x512 matmul. They are rates this CPU reaches,
-# not its peaks, so the floor is an estimate.
+# are measured in the same run: a timed sum of each step's own K and V (a small K and V fit in the CPU's
+# on-chip memory, its L2/L3, and read faster), and a 512x512 matmul. They are rates this CPU reaches, not
+# its peaks, so the floor is an estimate.
 def decode_flops(n_heads, d_head, S):
     """FLOPs of one new token's attention over S keys: 4 h S dh.  decode_flops(32, 128, 4096) == 67108864"""
     return 4 * n_heads * S * d_head
@@ -593,7 +595,7 @@ def print_decode_table(timing, problems):
           f"fp32,\n   on {machine_name()}, best of {timing.rounds} rounds.")
     print("   floor = max(bytes / read rate, FLOPs / matmul rate); read rate: a sum of the row's own K and V;")
     print(f"   matmul rate: a {MATMUL_N}x{MATMUL_N} matmul, {timing.flops / 1e9:.0f} GFLOP/s; both timed in the same "
-          f"rounds. MHA's ridge: {ridge:.1f} FLOPs/byte.")
+          f"rounds.\n   Ridge, matmul rate / MHA's read rate: {ridge:.1f} FLOPs/byte.")
     print(f"   At {s_max} tokens ('ridge': the two times within 1 %):")
     print(f"   {'config':<7}{'FLOP/byte':>10}{'read GB/s':>11}  {'bound':<8}{'floor ms':>9}{'measured':>10}{'reaches':>9}")
     for kv in kinds:
@@ -832,9 +834,6 @@ def check_copyable(ref):
                          "without kdim, vdim, add_bias_kv or add_zero_attn")
     if ref.dropout and ref.training:
         raise ValueError(f"from_torch needs dropout=0.0 in training mode (CausalMHA has no dropout), got {ref.dropout}")
-
-
-FIGURES = ["attention_maps.png", "kv_cache_size.png", "head_layout.png", "decode_time.png"]
 
 
 class Parser(argparse.ArgumentParser):

@@ -306,7 +306,7 @@ def test_printed_floors_are_the_roofline(capsys):
         want = mha.roofline(mha.decode_flops(32, 128, 8192), mha.decode_bytes(kv, 128, 8192), ceilings)
         assert float(floor_ms) == pytest.approx(want[0] * 1e3, abs=1e-3) and bound == want[1], kind
         assert read == "40.0" and reach == "50%"
-    assert "MHA's ridge: 3.0 FLOPs/byte" in out and "NOT TRUSTWORTHY" not in out
+    assert "Ridge, matmul rate / MHA's read rate: 3.0 FLOPs/byte" in out and "NOT TRUSTWORTHY" not in out
     assert "MQA reads 32x fewer bytes than MHA for the same FLOPs and is 6.0x faster" in out   # 13.42 ms / 2.24 ms
     assert max(len(line) for line in out.splitlines()) <= 120
 
