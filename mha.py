@@ -6,12 +6,11 @@ Multi-head attention, and its grouped-query (GQA) and multi-query (MQA) variants
      where each group of query heads shares one key/value head; 1 is multi-query attention (MQA, Shazeer 2019).
   2. The attention written out twice: the textbook form, softmax(q k^T / sqrt(dh) + mask) v with each K/V head
      copied to its query heads, then attend(), the same result without the copies. PyTorch's fused call too.
-  3. Printed as section 1, the evidence that the reshapes are right: with the weights of PyTorch's
-     nn.MultiheadAttention copied in, MHA gives the same output to the last bit (max difference exactly 0.0);
-     the chosen GQA or MQA within 2e-6 of three references that copy their K/V heads.
-  4. Sections 2 and 3, the KV cache in bytes for real models: with many requests, it caps how many fit.
-  5. Sections 4 and 5, decoding with a real cache, and a lower bound on a decode step's time from two
-     ceilings of this machine, measured (the roofline).
+  3. Section 1 of the output, the evidence that the reshapes are right: with the weights of PyTorch's
+     nn.MultiheadAttention copied in, MHA gives the same output to the last bit (max difference exactly 0.0),
+     and the chosen GQA or MQA is within 2e-6 of three references that copy their K/V heads.
+  4. Sections 2 to 4: the KV cache in bytes for real models (with many requests, it caps how many fit), and
+     decoding with a real cache. Section 5: a decode step's time against a floor from measured ceilings.
 A first read can skip the checks against PyTorch and the roofline. After main(): tables, figures, plumbing.
 
 Not here: training and what GQA costs (quality.py), what came after GQA (mla.py), dropout, padding masks,
@@ -209,8 +208,8 @@ class CausalMHA(nn.Module):
         B, T, _ = x.shape
         h, kv, dh = self.n_heads, self.n_kv_heads, self.d_head
         # Each token's q (h*dh numbers), k and v (kv*dh each) are cut into heads of dh numbers.
-        # Bits: the textbook writes in_proj(x) and out_proj(o.transpose(1, 2).reshape(B, T, d)); we multiply
-        # time-major, (T, B, d), as nn.MultiheadAttention does: some CPUs round the two layouts differently.
+        # Bits: the textbook writes in_proj(x) and out_proj(o); we multiply their rows time-major, (T, B, d), as
+        # nn.MultiheadAttention does: some CPUs round the two layouts differently.
         qkv = self.in_proj(x.transpose(0, 1)).transpose(0, 1)   # in_proj(x), (B, T, (h + 2kv) dh), done time-major
         q, k, v = qkv.split([h * dh, kv * dh, kv * dh], dim=-1)
         q = q.view(B, T, h, dh).transpose(1, 2)            # (B, T, h*dh) -> (B, T, h, dh) -> (B, h, T, dh)
@@ -222,8 +221,9 @@ class CausalMHA(nn.Module):
             o, p = attend_fused(q, k, v), None             # (B, h, T, dh)
         else:
             o, p = attend(q, k, v)                         # (B, h, T, dh), (B, h, T, S)
-        o = o.permute(2, 0, 1, 3).reshape(T * B, h * dh)   # o.transpose(1, 2).reshape(B, T, d), done time-major
-        y = self.out_proj(o).view(T, B, -1).transpose(0, 1)  # (T*B, d) -> (B, T, d), back to x's layout
+        o = o.transpose(1, 2).reshape(B, T, h * dh)        # (B, h, T, dh) -> (B, T, h, dh) -> (B, T, d): heads side by side
+        o = o.transpose(0, 1).reshape(T * B, h * dh)       # (B, T, d) -> (T*B, d): time-major rows (Bits, above)
+        y = self.out_proj(o).view(T, B, -1).transpose(0, 1)  # out_proj(o): (T*B, d) -> (T, B, d) -> (B, T, d)
         return (y, p) if need_weights else y
 
     def new_cache(self, batch, max_len):
