@@ -250,13 +250,12 @@ class CausalMHA(nn.Module):
         """
         h, kv, dh = self.n_heads, self.n_kv_heads, self.d_head
 
-        def widen(t):                                      # rows (h + 2kv) dh -> 3 h dh
+        def widen(t):                                      # a weight's rows (or a bias's), (h + 2kv) dh -> 3 h dh
             q, k, v = t.split([h * dh, kv * dh, kv * dh])
-            heads = torch.arange(h) // (h // kv)           # each query head's K/V head: [0, 0, 1, 1] for h=4, kv=2
-            # unflatten cuts K's kv*dh rows into kv heads of dh rows; indexing by heads repeats each head's rows.
-            k = k.unflatten(0, (kv, dh))[heads]            # (kv dh, d) -> (kv, dh, d) -> (h, dh, d): [k0 k0 k1 k1]
-            v = v.unflatten(0, (kv, dh))[heads]            # the same for V; a bias has no d: (kv dh,) -> (h, dh)
-            return torch.cat([q, k.flatten(0, 1), v.flatten(0, 1)])          # (3 h dh, ...)
+            # Each K/V head's dh rows repeated for its g query heads, as attend_textbook repeats k: [k0 k0 k1 k1].
+            k = k.unflatten(0, (kv, dh)).repeat_interleave(h // kv, dim=0)   # (kv dh, d) -> (kv, dh, d) -> (h, dh, d)
+            v = v.unflatten(0, (kv, dh)).repeat_interleave(h // kv, dim=0)   # a bias: (kv dh,) -> (kv, dh) -> (h, dh)
+            return torch.cat([q, k.flatten(0, 1), v.flatten(0, 1)])          # (3 h dh, d) or (3 h dh,)
 
         ref = nn.MultiheadAttention(self.d_model, h, bias=self.in_proj.bias is not None, batch_first=True,
                                     dtype=self.in_proj.weight.dtype)
