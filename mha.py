@@ -130,7 +130,7 @@ def attend(q, k, v):
     #                             block 1: q2t0 q2t1 q3t0 q3t1  -> all read k1, v1
     # bmm multiplies stacks of matrices, so batch and group merge into one axis: block b*kv + j.
     # Bits: PyTorch multiplies q by sqrt(1 / dh); dividing by sqrt(dh) can differ in the last bit.
-    q = q.reshape(B * kv, g * T, dh) * math.sqrt(1.0 / dh)   # (B, h, T, dh) -> (B*kv, g*T, dh); copies only q
+    q = q.reshape(B * kv, g * T, dh) * math.sqrt(1.0 / dh)   # (B, h, T, dh) -> (B*kv, g*T, dh): may copy q (small)
     k = k.reshape(B * kv, S, dh)                           # (B, kv, S, dh) -> (B*kv, S, dh): a cache's K, not copied
     v = v.reshape(B * kv, S, dh)                           # (B, kv, S, dh) -> (B*kv, S, dh)
     # The rows are g blocks of T tokens, so here .repeat is right: each block needs the same (T, S) mask.
@@ -221,7 +221,7 @@ class CausalMHA(nn.Module):
             o, p = attend_fused(q, k, v), None             # (B, h, T, dh)
         else:
             o, p = attend(q, k, v)                         # (B, h, T, dh), (B, h, T, S)
-        o = o.transpose(1, 2).reshape(B, T, h * dh)        # (B, h, T, dh) -> (B, T, h, dh) -> (B, T, d): heads side by side
+        o = o.transpose(1, 2).reshape(B, T, h * dh)        # (B, h, T, dh) -> (B, T, h*dh = d): heads side by side
         o = o.transpose(0, 1).reshape(T * B, h * dh)       # (B, T, d) -> (T*B, d): time-major rows (Bits, above)
         y = self.out_proj(o).view(T, B, -1).transpose(0, 1)  # out_proj(o): (T*B, d) -> (T, B, d) -> (B, T, d)
         return (y, p) if need_weights else y
@@ -389,9 +389,9 @@ def check_cache(n_kv_heads, seed):
 # the arithmetic 1.3 ms: the step waits on memory. MQA reads 32x fewer bytes (0.4 ms), so its FLOPs decide.
 # Which one decides is told by the FLOPs per byte, 4 h S dh / (2 kv S dh x 4 bytes) = h / (2 kv) = g / 2 in
 # fp32, against the ridge, FLOP rate / read rate: below it the bytes decide, above it the FLOPs. Both rates
-# are measured in the same run: a timed sum of each step's own K and V (a small K and V fit in the CPU's
-# on-chip memory, its L2/L3, and read faster), and a 512x512 matmul. They are rates this CPU reaches, not
-# its peaks, so the floor is an estimate.
+# are measured in the same run: a timed sum of each step's own K and V (one addition per number read, so
+# its time is the reading; a small K and V fit in the CPU's on-chip memory, its L2/L3, and read faster),
+# and a 512x512 matmul. They are rates this CPU reaches, not its peaks, so the floor is an estimate.
 def decode_flops(n_heads, d_head, S):
     """FLOPs of one new token's attention over S keys: 4 h S dh.  decode_flops(32, 128, 4096) == 67108864"""
     return 4 * n_heads * S * d_head
@@ -589,17 +589,17 @@ def timing_contradictions(timing, slack=0.1, busy=0.25):
 def print_decode_table(timing, problems):
     """Section 5: the ceilings and floors at the longest context, and what they say (every context is drawn)."""
     h, kinds, s_max = LLAMA_HEADS, list(timing.steps), max(timing.contexts)
-    ridge = timing.ceilings(h, s_max).ridge                # MHA's K and V at the longest context: the most bytes
     print(f"\n5. Decode step: one layer's attention (attend) over its cache, {h} query heads, dh={LLAMA_D_HEAD}, "
-          f"fp32,\n   on {machine_name()}, best of {timing.rounds} rounds.")
-    print("   floor = max(bytes / read rate, FLOPs / matmul rate); read rate: a sum of the row's own K and V;")
-    print(f"   matmul rate: a {MATMUL_N}x{MATMUL_N} matmul, {timing.flops / 1e9:.0f} GFLOP/s; both timed in the same "
-          f"rounds.\n   Ridge, matmul rate / MHA's read rate: {ridge:.1f} FLOPs/byte.")
-    print(f"   At {s_max} tokens ('ridge': the two times within 1 %):")
-    print(f"   {'config':<7}{'FLOP/byte':>10}{'read GB/s':>11}  {'bound':<8}{'floor ms':>9}{'measured':>10}{'reaches':>9}")
+          f"fp32,\n   on {machine_name()}, best of {timing.rounds} rounds. At {s_max} tokens:")
+    print("   floor = max(bytes / read rate, FLOPs / matmul rate), the rates timed in the same rounds: the read rate")
+    print(f"   a sum of the row's own K and V, the matmul rate a {MATMUL_N}x{MATMUL_N} matmul's, "
+          f"{timing.flops / 1e9:.0f} GFLOP/s. ridge = matmul rate /")
+    print("   read rate: a step below it is memory-bound, above it compute-bound ('ridge' within 1 %).")
+    print(f"   {'config':<7}{'FLOP/byte':>10}{'read GB/s':>11}{'ridge':>7}  {'bound':<8}{'floor ms':>9}{'measured':>10}"
+          f"{'reaches':>9}")
     for kv in kinds:
-        (floor, bound), t = timing.floor(kv, s_max), timing.steps[kv][-1]
-        print(f"   {attention_kind(h, kv):<7}{h / kv / 2:>10.1f}{timing.ceilings(kv, s_max).bandwidth / 1e9:>11.1f}  "
+        (floor, bound), t, roof = timing.floor(kv, s_max), timing.steps[kv][-1], timing.ceilings(kv, s_max)
+        print(f"   {attention_kind(h, kv):<7}{h / kv / 2:>10.1f}{roof.bandwidth / 1e9:>11.1f}{roof.ridge:>7.1f}  "
               f"{bound:<8}{floor * 1e3:>9.3f}{t * 1e3:>10.3f}{floor / t:>9.0%}")
     if problems:
         more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
@@ -608,7 +608,7 @@ def print_decode_table(timing, problems):
     fewest, (gpu_name, gpu_flops, gpu_bandwidth) = min(kinds), GPU
     print(f"   {attention_kind(h, fewest)} reads {h // fewest}x fewer bytes than MHA for the same FLOPs and is "
           f"{timing.steps[h][-1] / timing.steps[fewest][-1]:.1f}x faster. The gap to the floor: a step's\n"
-          "   matmuls have few rows per K/V head, which PyTorch runs slower than its ceilings (LABNOTES.md).\n"
+          "   matmuls have few rows per K/V head, which PyTorch runs slower than either ceiling (LABNOTES.md).\n"
           f"   On an {gpu_name} (ridge {gpu_flops / gpu_bandwidth:.0f} FLOPs/byte) a bf16 step does g FLOPs per "
           "byte: all of these are memory-bound\n   there, at any batch, since each request reads its own cache.")
 
