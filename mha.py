@@ -5,13 +5,13 @@ Multi-head attention, and its grouped-query (GQA) and multi-query (MQA) variants
      (MHA, Vaswani et al. 2017); a divisor of n_heads is grouped-query attention (GQA, Ainslie et al. 2023),
      where each group of query heads shares one key/value head; 1 is multi-query attention (MQA, Shazeer 2019).
   2. The attention written out twice: the textbook form, softmax(q k^T / sqrt(dh) + mask) v with each K/V head
-     copied to its query heads, then attend(), the same result without the copies. PyTorch's fused call too.
+     copied to its query heads, then attend(), the same result (up to rounding) without copies; PyTorch's fused call.
   3. Section 1 of the output, the evidence that the reshapes are right: with the weights of PyTorch's
      nn.MultiheadAttention copied in, MHA gives the same output to the last bit (max difference exactly 0.0),
-     and the chosen GQA or MQA is within 2e-6 of three references that copy their K/V heads.
+     and the chosen GQA or MQA is within 2e-6 of three references that copy or broadcast their K/V heads.
   4. Sections 2 to 4: the KV cache in bytes for real models (with many requests, it caps how many fit), and
      decoding with a real cache. Section 5: a decode step's time against a floor from measured ceilings.
-A first read can skip the checks against PyTorch and the roofline. After main(): tables, figures, plumbing.
+A first read can skip the checks against PyTorch and the roofline. After main(): tables, timing, figures, plumbing.
 
 Not here: training and what GQA costs (quality.py), what came after GQA (mla.py), dropout, padding masks,
 cross-attention, positional encodings.
@@ -45,7 +45,7 @@ SEED = 0             # every random number in the run comes from this seed
 OUT_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "figures")
 FIGURES = ["attention_maps.png", "kv_cache_size.png", "head_layout.png", "decode_time.png"]   # written to OUT_DIR
 
-# The KV-cache tables, the cache figure and the decode timing use Llama-7B-shaped attention.
+# Section 2's table, the cache figure and the decode timing use Llama-7B-shaped attention.
 LLAMA_LAYERS, LLAMA_HEADS, LLAMA_D_HEAD = 32, 32, 128    # layers, query heads, head width
 LLAMA_KV_HEADS = (32, 8, 4, 1)    # K/V heads compared: MHA, GQA-8, GQA-4, MQA
 CACHE_TOKENS = 4096               # context length of the tables
@@ -202,8 +202,8 @@ class CausalMHA(nn.Module):
     def forward(self, x, need_weights=False, cache=None, fused=False):
         """x: (B, T, d) -> y: (B, T, d), or (y, attention weights (B, h, T, S)) with need_weights.
 
-        With a cache, x holds only the new tokens: their keys and values are appended to the cache, and each
-        attends to all cached tokens and to the new ones up to itself. fused=True: attend_fused (faster, no weights)."""
+        With a cache, x holds only the new tokens: their keys and values are appended to the cache, and each attends
+        to all cached tokens and to the new ones up to itself. fused=True: attend_fused (often faster, no weights)."""
         check_call(self, x, need_weights, cache, fused)    # one sentence, before anything is written
         B, T, _ = x.shape
         h, kv, dh = self.n_heads, self.n_kv_heads, self.d_head
@@ -404,7 +404,7 @@ def decode_bytes(n_kv_heads, d_head, S, bytes_per_elem=4):
 
 @dataclass
 class Ceilings:
-    """What a machine can do at most: read `bandwidth` bytes/s, compute `flops` FLOP/s."""
+    """The two rates a floor is built from: read `bandwidth` bytes/s, compute `flops` FLOP/s."""
     bandwidth: float
     flops: float
 
@@ -415,7 +415,7 @@ class Ceilings:
 
 
 def roofline(flops, n_bytes, ceilings):
-    """(least seconds, bound): max(bytes / bandwidth, FLOPs / peak), and which ceiling sets it: 'memory',
+    """(least seconds, bound): max(bytes / bandwidth, FLOPs / flops), and which ceiling sets it: 'memory',
     'compute', or 'ridge' where the two lie within 1 % of each other.
     roofline(100, 10, Ceilings(bandwidth=1, flops=100)) == (10.0, 'memory'): 10 FLOPs a byte, ridge 100.
     """
@@ -427,7 +427,7 @@ def roofline(flops, n_bytes, ceilings):
 
 # ----------------------------------------------------------------------------- main
 def main(argv=None):
-    args = parse_args(argv)        # a bad flag, knob or --out-dir ends here, in one line (exit code 2)
+    args = parse_args(argv)        # a bad flag, --out-dir or edited knob ends here, in one line (exit code 2)
     kv = args.n_kv_heads
     print(f"Causal attention, d={D_MODEL}, dh={D_MODEL // N_HEADS}, {N_HEADS} query heads reading {kv} K/V "
           f"head{'s' if kv > 1 else ''}: {attention_kind(N_HEADS, kv)}, groups of {N_HEADS // kv}\n")
@@ -594,7 +594,7 @@ def print_decode_table(timing, problems):
     print("   floor = max(bytes / read rate, FLOPs / matmul rate), the rates timed in the same rounds: the read rate")
     print(f"   a sum of the row's own K and V, the matmul rate a {MATMUL_N}x{MATMUL_N} matmul's, "
           f"{timing.flops / 1e9:.0f} GFLOP/s. ridge = matmul rate /")
-    print("   read rate: a step below it is memory-bound, above it compute-bound ('ridge' within 1 %).")
+    print("   read rate: FLOPs per byte below it are memory-bound, above it compute-bound ('ridge' within 1 %).")
     print(f"   {'config':<7}{'FLOP/byte':>10}{'read GB/s':>11}{'ridge':>7}  {'bound':<8}{'floor ms':>9}{'measured':>10}"
           f"{'reaches':>9}")
     for kv in kinds:
