@@ -860,6 +860,9 @@ def parse_args(argv=None):
         parser.error(str(e))
     if not DECODE_CONTEXTS:
         parser.error("DECODE_CONTEXTS must hold at least one context length")
+    if LLAMA_HEADS not in LLAMA_KV_HEADS or any(not isinstance(kv, int) or kv < 1 or LLAMA_HEADS % kv
+                                                for kv in LLAMA_KV_HEADS):
+        parser.error(f"LLAMA_KV_HEADS={LLAMA_KV_HEADS} must hold {LLAMA_HEADS} (MHA) and divisors of it only")
     if not 0 <= args.seed < 2**32:
         parser.error(f"--seed {args.seed} must be between 0 and 2**32 - 1")
     problem = out_dir_problem(args.out_dir, FIGURES)
