@@ -854,7 +854,8 @@ def parse_args(argv=None):
     try:
         check_sizes(D_MODEL, N_HEADS, args.n_kv_heads)
         check_counts([("SEQ_LEN", SEQ_LEN, 2), ("BATCH", BATCH, 1), ("DECODE_ROUNDS", DECODE_ROUNDS, 1),
-                      ("CACHE_TOKENS", CACHE_TOKENS, 1), ("CACHE_BYTES_PER_ELEM", CACHE_BYTES_PER_ELEM, 1),
+                      ("MATMUL_N", MATMUL_N, 1), ("CACHE_TOKENS", CACHE_TOKENS, 1),
+                      ("CACHE_BYTES_PER_ELEM", CACHE_BYTES_PER_ELEM, 1),
                       *((f"DECODE_CONTEXTS[{i}]", S, 1) for i, S in enumerate(DECODE_CONTEXTS))])
     except (TypeError, ValueError) as e:
         parser.error(str(e))

@@ -174,6 +174,7 @@ def test_bad_flag_from_the_shell_exits_2_without_traceback(tmp_path):
     ("SEQ_LEN", 1, ["SEQ_LEN=1", "at least 2"]),           # the cache check feeds a prompt, then one token more
     ("BATCH", 0, ["BATCH=0", "at least 1"]),
     ("DECODE_ROUNDS", 0, ["DECODE_ROUNDS=0", "at least 1"]),
+    ("MATMUL_N", 0, ["MATMUL_N=0", "at least 1"]),          # a 0x0 matmul: a FLOP rate of 0, a floor of x / 0
     ("LLAMA_KV_HEADS", (32, 8, 3), ["LLAMA_KV_HEADS=(32, 8, 3)", "divisors"]),   # 32 query heads in groups of 3
     ("LLAMA_KV_HEADS", (8, 1), ["LLAMA_KV_HEADS=(8, 1)", "must hold 32 (MHA)"]),   # the table compares with MHA
 ])
