@@ -3,7 +3,7 @@ Benchmarks for mha.py, as ratios measured side by side in one run (absolute time
 wobble; ratios of interleaved runs much less), and a last line that says whether the numbers hold together.
 
   1. CausalMHA.forward against nn.MultiheadAttention on a few shapes, each path against PyTorch's own
-     that does the same operations (measured here: 0.87 to 1.10)           goal: ours / torch <= FORWARD
+     that does the same operations, a batch's rows in another order (measured: 0.87 to 1.10)  goal: <= FORWARD
   2. the whole `python mha.py` against the bare `import torch, matplotlib.pyplot`  goal: <= 2
   3. one decode step of one layer, d=4096, 32 query heads, MHA / GQA-8 / MQA, at 4096 and 8192 tokens:
      the whole module, and the attention over the cache alone, each against its roofline floor,
