@@ -112,6 +112,13 @@ def test_a_failing_check_says_fail_and_exits_1(tmp_path, monkeypatch, capsys):
     assert code == 1 and "FAIL  (must be exactly 0)" in out and out.rstrip().endswith("All checks: FAIL")
 
 
+def test_a_batch_of_one_checks_only_what_is_exact(monkeypatch, capsys):
+    monkeypatch.setattr(mha, "BATCH", 1)
+    assert mha.run_checks(4, 0)
+    out = capsys.readouterr().out
+    assert "at batch" not in out and out.count("(must be exactly 0)") == 3
+
+
 def test_the_shortest_sequence_works(monkeypatch, capsys):
     monkeypatch.setattr(mha, "SEQ_LEN", 2)
     assert mha.run_checks(2, 0) and mha.check_cache(2, 0)
