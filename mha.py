@@ -319,9 +319,9 @@ def run_checks(n_kv_heads, seed):
         own = (ref(one, one, one, attn_mask=mask)[0] - ref(one, one, one, attn_mask=mask, need_weights=False)[0])
     print(f"  {'      nn.MHA need_weights=True vs =False':<52} = {own.abs().max():.2e}  (PyTorch against itself: "
           "not a check)")
-    # Bits: nn.MHA stacks a batch's rows (T, B), we (B, T): at batch 1 the same matrices, else MKL may round apart.
+    # Bits: for a batch nn.MHA projects a transposed view: bias added after the product, rows (T, B): other rounding.
     if BATCH > 1:
-        ok &= report(f"MHA   at batch {BATCH}, its rows in another order", max_diff_vs_torch(copy, x, ref)[0], 2e-6)
+        ok &= report(f"MHA   at batch {BATCH}, computed in another order", max_diff_vs_torch(copy, x, ref)[0], 2e-6)
 
     kind = attention_kind(N_HEADS, n_kv_heads)
     ours = random_module(n_kv_heads, seed + 1)

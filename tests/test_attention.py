@@ -28,7 +28,8 @@ SHAPES = [(256, 8), (384, 8), (192, 8), (512, 8)]
 @pytest.mark.parametrize("bias", [True, False])
 def test_mha_is_bit_identical_to_torch(dtype, d, h, T, train, fused, bias):
     """One sequence, written out against need_weights=True, fused against need_weights=False: the same
-    operations, in the same order, on the same matrices, so 0.0 on every CPU and MKL path."""
+    operations in the same order (both projections the same addmm on the same matrix; the attention between
+    on views where PyTorch has copies), 0.0 on every MKL path CI runs."""
     ref = torch_mha(d, h, dtype, bias).train(train)
     ours = mha.CausalMHA.from_torch(ref)
     assert ours.training == train and ours.in_proj.weight.dtype == dtype
@@ -44,8 +45,9 @@ def test_mha_is_bit_identical_to_torch(dtype, d, h, T, train, fused, bias):
 @pytest.mark.parametrize("B, T", [(2, 12), (3, 1), (3, 37)])
 @pytest.mark.parametrize("fused", [False, True])
 def test_mha_matches_torch_on_a_batch_within_rounding(dtype, tol, d, h, B, T, fused):
-    """A batch's rows are stacked (B, T) here and (T, B) in nn.MultiheadAttention: the same sums in other places
-    of the matrix, which MKL may round otherwise. A reshape that mixed sequences would be off by far more."""
+    """For a batch nn.MultiheadAttention projects a transposed view: F.linear then adds the bias after the
+    product (ours within it, addmm), on rows stacked (T, B) where ours are (B, T); both may round otherwise.
+    A reshape that mixed sequences would be off by far more."""
     ref = torch_mha(d, h, dtype)
     y_diff, w_diff = mha.max_diff_vs_torch(mha.CausalMHA.from_torch(ref), torch.randn(B, T, d, dtype=dtype), ref,
                                            fused=fused)
