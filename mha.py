@@ -360,7 +360,7 @@ def check_cache(n_kv_heads, seed):
     """Real caches: their bytes against the formula, and cached decoding against one full forward."""
     ok, max_len = True, 512
     print(f"\n4. Decoding with a real cache (d={D_MODEL}, h={N_HEADS}, dh={D_MODEL // N_HEADS}, fp32)")
-    for kv in sorted({N_HEADS, n_kv_heads, 1}, reverse=True):
+    for kv in sorted({N_HEADS, n_kv_heads, 1}, reverse=True):     # MHA, yours and MQA, each once
         cache = CausalMHA(D_MODEL, N_HEADS, kv).new_cache(batch=1, max_len=max_len)
         want = kv_cache_bytes(1, kv, D_MODEL // N_HEADS, max_len, bytes_per_elem=4)
         ok &= cache.nbytes == want
