@@ -504,7 +504,7 @@ def print_cache_tables(n_kv_heads):
     print(f"   {'config':<8}{'n_kv_heads':>11}{'KV cache':>11}{'shrink':>8}")
     for kv in sorted(rows, reverse=True):
         n = llama_cache_bytes(kv)
-        note = f"   <- g = {g} query heads per K/V head, as in your demo's {attention_kind(N_HEADS, n_kv_heads)}"
+        note = f"   <- g = {g} query heads per K/V head, as in your demo ({N_HEADS} over {n_kv_heads})"
         print(f"   {attention_kind(LLAMA_HEADS, kv):<8}{kv:>11}{n / 1e9:>8.2f} GB{mha_bytes // n:>7}x"
               f"{note if kv == same_g else ''}")
     if same_g is None:                                     # e.g. N_HEADS = 6, N_KV_HEADS = 2: g = 3

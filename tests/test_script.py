@@ -331,7 +331,7 @@ def test_try_two_kv_heads(capsys, tmp_path):
     m.print_cache_tables(kv)
     out = capsys.readouterr().out
     assert "GQA-2 written out vs nn.MHA, K/V heads repeated" in out
-    assert line_with(out, "GQA-8").endswith("<- g = 4 query heads per K/V head, as in your demo's GQA-2")
+    assert line_with(out, "GQA-8").endswith("<- g = 4 query heads per K/V head, as in your demo (8 over 2)")
 
 
 def test_try_swapping_two_heads(capsys, tmp_path):
