@@ -316,7 +316,7 @@ def run_checks(n_kv_heads, seed):
     ok &= report("MHA   fused vs nn.MHA(need_weights=False)", max_diff_vs_torch(copy, one, ref, fused=True)[0], 0.0)
     with torch.no_grad():                                  # PyTorch's two paths differ: a 0.0 is no accident
         mask = causal_mask(SEQ_LEN, SEQ_LEN)
-        own = (ref(one, one, one, attn_mask=mask)[0] - ref(one, one, one, attn_mask=mask, need_weights=False)[0])
+        own = ref(one, one, one, attn_mask=mask)[0] - ref(one, one, one, attn_mask=mask, need_weights=False)[0]
     print(f"  {'      nn.MHA need_weights=True vs =False':<52} = {own.abs().max():.2e}  (PyTorch against itself: "
           "not a check)")
     # Bits: for a batch nn.MHA projects a transposed view: bias added after the product, rows (T, B): other rounding.
@@ -355,7 +355,6 @@ def llama_cache_bytes(n_kv_heads, tokens=CACHE_TOKENS):
 
 
 # ----------------------------------------------------------------------------- decoding with a cache
-# A KVCache (above) holds what earlier steps computed, so cached decoding must give what one full forward gives.
 def check_cache(n_kv_heads, seed):
     """Real caches: their bytes against the formula, and cached decoding against one full forward."""
     ok, max_len = True, 512

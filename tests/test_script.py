@@ -356,16 +356,17 @@ def test_try_repeat_instead_of_repeat_interleave(capsys, tmp_path):
 
 
 def test_try_the_exact_check_on_the_whole_batch(capsys, tmp_path):
-    """The edited check may FAIL by a few units in the last place: whether rows stacked (B, T) and (T, B) round
-    alike depends on the CPU's MKL path (AMD EPYC: 2.38e-07). What holds on every CPU: each exact line says
-    FAIL exactly when it measured a difference, and the difference is tiny."""
+    """The edited check may FAIL by a few units in the last place: whether nn.MultiheadAttention's route for a
+    batch (the bias added after the product, rows stacked (T, B)) rounds like ours depends on the CPU's MKL path
+    (AMD EPYC: 2.38e-07). What holds on every CPU: each exact line says FAIL exactly when it measured a
+    difference, and the difference is tiny."""
     m = edited_copy("one = x[:1]", "one = x", tmp_path)
     ok = m.run_checks(4, 0)
     out = capsys.readouterr().out
-    diffs = [float(line_with(out, start).split("= ")[1].split()[0]) for start in
-             ("MHA   written out", "MHA   the same, per-head", "MHA   fused")]
+    starts = ("MHA   written out", "MHA   the same, per-head", "MHA   fused")
+    diffs = [float(line_with(out, start).split("= ")[1].split()[0]) for start in starts]
     assert ok == (max(diffs) == 0.0) and max(diffs) < 1e-6, diffs
-    for start, diff in zip(("MHA   written out", "MHA   the same, per-head", "MHA   fused"), diffs):
+    for start, diff in zip(starts, diffs):
         assert line_with(out, start).endswith("OK  (must be exactly 0)" if diff == 0 else "FAIL  (must be exactly 0)")
 
 
