@@ -78,7 +78,7 @@ def forward_times(B, T, d, h, rounds=ROUNDS):
     like: fused against PyTorch's need_weights=False path, written out against its need_weights=True path."""
     torch.manual_seed(0)
     ref = nn.MultiheadAttention(d, h, batch_first=True).eval()
-    ours = mha.CausalMHA.from_torch(ref)
+    ours = mha.from_torch(ref)
     x, mask = torch.randn(B, T, d), mha.causal_mask(T, T)
     with torch.no_grad():
         return interleaved([lambda: ours(x, fused=True), lambda: ref(x, x, x, attn_mask=mask, need_weights=False),

@@ -6,12 +6,11 @@ Multi-head attention, and its grouped-query (GQA) and multi-query (MQA) variants
      where each group of query heads shares one key/value head; 1 is multi-query attention (MQA, Shazeer 2019).
   2. The attention written out twice: the textbook form, softmax(q k^T / sqrt(dh) + mask) v with each K/V head
      copied to its query heads, then attend(), the same result (up to rounding) without copies; PyTorch's fused call.
-  3. Section 1 of the output, the evidence that the reshapes are right: with the weights of PyTorch's
-     nn.MultiheadAttention copied in, MHA gives the same output to the last bit (max difference exactly 0.0) on
-     a sequence, and the chosen GQA or MQA is within 2e-6 of three references that copy or broadcast K/V heads.
-  4. Sections 2 to 4: the KV cache in bytes for real models (with many requests, it caps how many fit), and
-     decoding with a real cache. Section 5: a decode step's time against a floor from measured ceilings.
-A first read can skip the checks against PyTorch and the roofline. After main(): tables, timing, figures, plumbing.
+  3. Sections 1 to 3 of the output: the KV cache of real models, in bytes, and decoding with a real cache.
+  4. On a second pass, section 4: with the weights of PyTorch's nn.MultiheadAttention copied in, MHA gives
+     the same output to the last bit (max difference exactly 0.0) on a sequence, and GQA or MQA is within
+     2e-6 of three references that copy or broadcast K/V heads. Section 5: a decode step's time, and its floor.
+A first pass reads to the first "a second pass" section below. After main(): tables, timing, figures, plumbing.
 
 Not here: training and what GQA costs (quality.py), what came after GQA (mla.py), dropout, padding masks,
 cross-attention, positional encodings.
@@ -45,7 +44,7 @@ SEED = 0             # every random number in the run comes from this seed
 OUT_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "figures")
 FIGURES = ["attention_maps.png", "kv_cache_size.png", "head_layout.png", "decode_time.png"]   # written to OUT_DIR
 
-# Section 2's table, the cache figure and the decode timing use Llama-7B-shaped attention.
+# Section 1's table, the cache figure and the decode timing use Llama-7B-shaped attention.
 LLAMA_LAYERS, LLAMA_HEADS, LLAMA_D_HEAD = 32, 32, 128    # layers, query heads, head width
 LLAMA_KV_HEADS = (32, 8, 4, 1)    # K/V heads compared: MHA, GQA-8, GQA-4, MQA
 CACHE_TOKENS = 4096               # context length of the tables
@@ -77,16 +76,17 @@ def attention_kind(n_heads, n_kv_heads):
 
 
 def causal_mask(T, S, dtype=torch.float32):
-    """(T, S) additive mask: 0 where new token i may see key j, -inf where j lies in its future (after the
+    """(T, S) additive mask: 0 where new token i may see key j, -inf where key j lies in its future (after the
     softmax, exp(-inf) = 0: a future key gets no weight at all). The T new tokens are the last T of the S
-    keys (T < S only when decoding with a cache, below), so token i sees keys 0 .. S - T + i. triu(k)
-    keeps the entries where j - i >= k and sets the rest to 0: here it keeps -inf where j - i >= S - T + 1.
+    keys (T < S only when decoding with a cache, below), so new token i sits at position S - T + i.
     causal_mask(3, 3) == [[0, -inf, -inf], [0, 0, -inf], [0, 0, 0]]   (a whole sequence: T == S)
     causal_mask(2, 3) == [[0, 0, -inf], [0, 0, 0]]                    (key 0 cached, keys 1 and 2 new)
-    Not F.scaled_dot_product_attention(is_causal=True): with T < S it aligns the triangle top-left, so
-    new token i would see only keys 0 .. i and miss most of the cache.
+    Not F.scaled_dot_product_attention(is_causal=True), met below: with T < S it puts new token i at
+    position i, so it would see only keys 0 .. i and miss most of the cache.
     """
-    return torch.full((T, S), float("-inf"), dtype=dtype).triu(S - T + 1)
+    position = torch.arange(T).unsqueeze(1) + (S - T)      # (T, 1): where each new token sits among the keys
+    future = torch.arange(S) > position                    # (S,) > (T, 1) -> (T, S): key j after token i
+    return torch.zeros(T, S, dtype=dtype).masked_fill(future, float("-inf"))
 
 
 def attend_textbook(q, k, v):
@@ -128,10 +128,11 @@ def attend(q, k, v):
     # group j one after another: query heads j*g .. j*g + g - 1, which all read K/V head j, as one block:
     #     h=4, kv=2 (g=2), T=2:   block 0: q0t0 q0t1 q1t0 q1t1  -> all read k0, v0
     #                             block 1: q2t0 q2t1 q3t0 q3t1  -> all read k1, v1
-    # bmm multiplies stacks of matrices, so batch and group merge into one axis: block b*kv + j.
+    # bmm multiplies stacks of matrices, so batch and group merge into one axis: block b*kv + j. reshape
+    # returns a view where the memory allows it (a cache's K and V), else a copy (q, which is small).
     # Bits: PyTorch multiplies q by sqrt(1 / dh); dividing by sqrt(dh) can differ in the last bit.
-    q = q.reshape(B * kv, g * T, dh) * math.sqrt(1.0 / dh)   # (B, h, T, dh) -> (B*kv, g*T, dh): may copy q (small)
-    k = k.reshape(B * kv, S, dh)                           # (B, kv, S, dh) -> (B*kv, S, dh): a cache's K, not copied
+    q = q.reshape(B * kv, g * T, dh) * math.sqrt(1.0 / dh)   # (B, h, T, dh) -> (B*kv, g*T, dh)
+    k = k.reshape(B * kv, S, dh)                           # (B, kv, S, dh) -> (B*kv, S, dh): one K, not g copies
     v = v.reshape(B * kv, S, dh)                           # (B, kv, S, dh) -> (B*kv, S, dh)
     # The rows are g blocks of T tokens, so here .repeat is right: each block needs the same (T, S) mask.
     mask = causal_mask(T, S, q.dtype).repeat(g, 1)         # (T, S) -> (g*T, S)
@@ -204,7 +205,7 @@ class CausalMHA(nn.Module):
 
         With a cache, x holds only the new tokens: their keys and values are appended to the cache, and each attends
         to all cached tokens and to the new ones up to itself. fused=True: attend_fused (often faster, no weights)."""
-        check_call(self, x, need_weights, cache, fused)    # one sentence, before anything is written
+        check_call(self, x, need_weights, cache, fused)    # one sentence, before the cache is written
         B, T, _ = x.shape
         h, kv, dh = self.n_heads, self.n_kv_heads, self.d_head
         # Each token's q (h*dh numbers), k and v (kv*dh each) are cut into heads of dh numbers.
@@ -230,46 +231,92 @@ class CausalMHA(nn.Module):
         like = {"dtype": self.in_proj.weight.dtype, "device": self.in_proj.weight.device}
         return KVCache(torch.zeros(shape, **like), torch.zeros(shape, **like))
 
-    @classmethod
-    def from_torch(cls, ref):
-        """A CausalMHA (MHA) with the weights of an nn.MultiheadAttention(d, h, batch_first=True)."""
-        check_copyable(ref)
-        attn = cls(ref.embed_dim, ref.num_heads, bias=ref.in_proj_bias is not None).to(ref.in_proj_weight.dtype)
-        # Their names differ by one character: in_proj_weight there, in_proj.weight here.
-        attn.load_state_dict({name.replace("in_proj_", "in_proj."): t for name, t in ref.state_dict().items()})
-        return attn.train(ref.training)
 
-    def to_torch(self):
-        """The nn.MultiheadAttention computing the same function, K/V heads copied out to h heads.
+# ----------------------------------------------------------------------------- the KV cache, in bytes
+def kv_cache_bytes(n_layers, n_kv_heads, d_head, seq_len, batch=1, bytes_per_elem=2):
+    """Bytes of the KV cache: 2 (K and V) x layers x K/V heads x dh x tokens x batch x bytes per number.
 
-        For MHA the exact inverse of from_torch. For GQA/MQA each K/V head's dh rows of weights (and bias)
-        are repeated for its g query heads: query head i gets K/V head i // g, [k0, k0, k1, k1], as in attend.
-        """
-        h, kv, dh = self.n_heads, self.n_kv_heads, self.d_head
-
-        def widen(t):                                      # a weight's rows (or a bias's), (h + 2kv) dh -> 3 h dh
-            q, k, v = t.split([h * dh, kv * dh, kv * dh])
-            # Each K/V head's dh rows repeated for its g query heads, as attend_textbook repeats k: [k0 k0 k1 k1].
-            k = k.unflatten(0, (kv, dh)).repeat_interleave(h // kv, dim=0)   # (kv dh, d) -> (kv, dh, d) -> (h, dh, d)
-            v = v.unflatten(0, (kv, dh)).repeat_interleave(h // kv, dim=0)   # a bias: (kv dh,) -> (kv, dh) -> (h, dh)
-            return torch.cat([q, k.flatten(0, 1), v.flatten(0, 1)])          # (3 h dh, d) or (3 h dh,)
-
-        ref = nn.MultiheadAttention(self.d_model, h, bias=self.in_proj.bias is not None, batch_first=True,
-                                    dtype=self.in_proj.weight.dtype)
-        ref.load_state_dict({name.replace("in_proj.", "in_proj_"): widen(t) if name.startswith("in_proj") else t
-                             for name, t in self.state_dict().items()})
-        return ref.train(self.training)
+    kv_cache_bytes(32, 32, 128, 4096) == 2147483648   (Llama-7B shape, fp16, 4k tokens: 2.15 GB)
+    """
+    return 2 * n_layers * n_kv_heads * d_head * seq_len * batch * bytes_per_elem
 
 
-# ----------------------------------------------------------------------------- checks against PyTorch
+def llama_cache_bytes(n_kv_heads, tokens=CACHE_TOKENS):
+    """The cache of the Llama-7B shape above with n_kv_heads K/V heads, batch 1."""
+    return kv_cache_bytes(LLAMA_LAYERS, n_kv_heads, LLAMA_D_HEAD, tokens, bytes_per_elem=CACHE_BYTES_PER_ELEM)
+
+
+# ----------------------------------------------------------------------------- decoding with a cache
+def random_module(n_kv_heads, seed):
+    """A CausalMHA of the demo's shape, its biases random too (random_biases, after main())."""
+    torch.manual_seed(seed)
+    return random_biases(CausalMHA(D_MODEL, N_HEADS, n_kv_heads).eval())
+
+
+def check_cache(n_kv_heads, seed):
+    """Real caches: their bytes against the formula, and cached decoding against one full forward."""
+    ok, max_len = True, 512
+    print(f"\n3. Decoding with a real cache (d={D_MODEL}, h={N_HEADS}, dh={D_MODEL // N_HEADS}, fp32)")
+    for kv in sorted({N_HEADS, n_kv_heads, 1}, reverse=True):     # MHA, yours and MQA, each once
+        cache = CausalMHA(D_MODEL, N_HEADS, kv).new_cache(batch=1, max_len=max_len)
+        want = kv_cache_bytes(1, kv, D_MODEL // N_HEADS, max_len, bytes_per_elem=4)
+        ok &= cache.nbytes == want
+        print(f"  {attention_kind(N_HEADS, kv):<5} {max_len}-token cache: {cache.nbytes:>9,} bytes allocated, "
+              f"{want:>9,} by the formula  {'OK' if cache.nbytes == want else 'FAIL'}")
+
+    # Feed a prompt as one chunk, then the rest one token at a time; compare with one forward over all.
+    attn = random_module(n_kv_heads, seed + 2)
+    x = torch.randn(BATCH, SEQ_LEN, D_MODEL)               # (B, T, d)
+    cache, prompt = attn.new_cache(BATCH, SEQ_LEN), SEQ_LEN // 2
+    with torch.no_grad():
+        full = attn(x)
+        steps = [attn(x[:, :prompt], cache=cache)]
+        steps += [attn(x[:, t:t + 1], cache=cache) for t in range(prompt, SEQ_LEN)]
+    diff = relative_diff(torch.cat(steps, dim=1), full)
+    print(f"  {attention_kind(N_HEADS, n_kv_heads)} cache fed {prompt} tokens, then {SEQ_LEN - prompt} one at a time:")
+    return ok & report("      max |cached - full forward| / max |full forward|", diff, 1e-5)
+
+
+# ----------------------------------------------------------------------------- a second pass: checks against PyTorch
+def from_torch(ref):
+    """A CausalMHA (MHA) with the weights of an nn.MultiheadAttention(d, h, batch_first=True)."""
+    check_copyable(ref)
+    attn = CausalMHA(ref.embed_dim, ref.num_heads, bias=ref.in_proj_bias is not None).to(ref.in_proj_weight.dtype)
+    # Their names differ by one character: in_proj_weight there, in_proj.weight here.
+    attn.load_state_dict({name.replace("in_proj_", "in_proj."): t for name, t in ref.state_dict().items()})
+    return attn.train(ref.training)
+
+
+def to_torch(attn):
+    """The nn.MultiheadAttention computing the same function as attn, its K/V heads copied out to h heads.
+
+    For MHA the exact inverse of from_torch. For GQA/MQA each K/V head's dh rows of weights (and bias)
+    are repeated for its g query heads: query head i gets K/V head i // g, [k0, k0, k1, k1], as in attend.
+    """
+    h, kv, dh = attn.n_heads, attn.n_kv_heads, attn.d_head
+
+    def widen(t):                                      # a weight's rows (or a bias's), (h + 2kv) dh -> 3 h dh
+        q, k, v = t.split([h * dh, kv * dh, kv * dh])
+        # Each K/V head's dh rows repeated for its g query heads, as attend_textbook repeats k: [k0 k0 k1 k1].
+        k = k.unflatten(0, (kv, dh)).repeat_interleave(h // kv, dim=0)   # (kv dh, d) -> (kv, dh, d) -> (h, dh, d)
+        v = v.unflatten(0, (kv, dh)).repeat_interleave(h // kv, dim=0)   # a bias: (kv dh,) -> (kv, dh) -> (h, dh)
+        return torch.cat([q, k.flatten(0, 1), v.flatten(0, 1)])          # (3 h dh, d) or (3 h dh,)
+
+    ref = nn.MultiheadAttention(attn.d_model, h, bias=attn.in_proj.bias is not None, batch_first=True,
+                                dtype=attn.in_proj.weight.dtype)
+    ref.load_state_dict({name.replace("in_proj.", "in_proj_"): widen(t) if name.startswith("in_proj") else t
+                         for name, t in attn.state_dict().items()})
+    return ref.train(attn.training)
+
+
 def max_diff_vs_torch(attn, x, ref=None, fused=False):
-    """max |ours - nn.MultiheadAttention| on x: (output, per-head weights or None); ref: attn.to_torch().
+    """max |ours - nn.MultiheadAttention| on x: (output, per-head weights or None); ref: to_torch(attn).
 
     Written out, ours meets PyTorch's need_weights=True path, which writes attention out in the same order; fused,
     its need_weights=False path, which calls the same fused kernel. Both get a float causal mask: with a bool mask,
     in eval mode under no_grad, nn.MultiheadAttention takes a third path (its fast path) that rounds otherwise.
     """
-    ref = attn.to_torch() if ref is None else ref
+    ref = to_torch(attn) if ref is None else ref
     mask = causal_mask(x.shape[1], x.shape[1], x.dtype)    # (T, T)
     with torch.no_grad():
         # nn.MultiheadAttention takes query, key and value inputs apart: all three are x in self-attention
@@ -296,20 +343,14 @@ def swap_query_heads(attn, i, j):
     return attn
 
 
-def random_module(n_kv_heads, seed):
-    """A CausalMHA of the demo's shape, its biases random too (random_biases, after main())."""
-    torch.manual_seed(seed)
-    return random_biases(CausalMHA(D_MODEL, N_HEADS, n_kv_heads).eval())
-
-
 def run_checks(n_kv_heads, seed):
     """The evidence that the module is right. Returns True if every check passes."""
-    print(f"1. Checks against PyTorch (float32, T={SEQ_LEN}, d={D_MODEL}, h={N_HEADS}, B=1 if exact, else {BATCH})")
+    print(f"\n4. Checks against PyTorch (float32, T={SEQ_LEN}, d={D_MODEL}, h={N_HEADS}, B=1 if exact, else {BATCH})")
     torch.manual_seed(seed)                                # PyTorch's own module is the reference
     ref = random_biases(nn.MultiheadAttention(D_MODEL, N_HEADS, batch_first=True).eval())
     x = torch.randn(BATCH, SEQ_LEN, D_MODEL)               # (B, T, d)
     one = x[:1]                                            # (1, T, d): the first sequence alone
-    copy = CausalMHA.from_torch(ref)
+    copy = from_torch(ref)
     y_diff, w_diff = max_diff_vs_torch(copy, one, ref)
     ok = report("MHA   written out vs nn.MHA(need_weights=True)", y_diff, 0.0)   # prints it, True if OK
     ok &= report("MHA   the same, per-head weights", w_diff, 0.0)
@@ -334,55 +375,15 @@ def run_checks(n_kv_heads, seed):
     ok &= report(f"{kind:<5} written out vs the textbook, K/V copied", textbook, 2e-6)
     ok &= report(f"{kind:<5} written out vs F.sdpa(enable_gqa=True)", sdpa, 2e-6)
 
-    broken, _ = max_diff_vs_torch(swap_query_heads(CausalMHA.from_torch(ref), 0, 1), x, ref)
+    broken, _ = max_diff_vs_torch(swap_query_heads(from_torch(ref), 0, 1), x, ref)
     print(f"  {'on purpose: query heads 0 and 1 swapped in the copy':<52} = {broken:.2e}  "
           f"{'FAIL, as it must' if broken > 0 else 'NOT DETECTED'}")
     return ok and broken > 0
 
 
-# ----------------------------------------------------------------------------- the KV cache, in bytes
-def kv_cache_bytes(n_layers, n_kv_heads, d_head, seq_len, batch=1, bytes_per_elem=2):
-    """Bytes of the KV cache: 2 (K and V) x layers x K/V heads x dh x tokens x batch x bytes per number.
-
-    kv_cache_bytes(32, 32, 128, 4096) == 2147483648   (Llama-7B shape, fp16, 4k tokens: 2.15 GB)
-    """
-    return 2 * n_layers * n_kv_heads * d_head * seq_len * batch * bytes_per_elem
-
-
-def llama_cache_bytes(n_kv_heads, tokens=CACHE_TOKENS):
-    """The cache of the Llama-7B shape above with n_kv_heads K/V heads, batch 1."""
-    return kv_cache_bytes(LLAMA_LAYERS, n_kv_heads, LLAMA_D_HEAD, tokens, bytes_per_elem=CACHE_BYTES_PER_ELEM)
-
-
-# ----------------------------------------------------------------------------- decoding with a cache
-def check_cache(n_kv_heads, seed):
-    """Real caches: their bytes against the formula, and cached decoding against one full forward."""
-    ok, max_len = True, 512
-    print(f"\n4. Decoding with a real cache (d={D_MODEL}, h={N_HEADS}, dh={D_MODEL // N_HEADS}, fp32)")
-    for kv in sorted({N_HEADS, n_kv_heads, 1}, reverse=True):     # MHA, yours and MQA, each once
-        cache = CausalMHA(D_MODEL, N_HEADS, kv).new_cache(batch=1, max_len=max_len)
-        want = kv_cache_bytes(1, kv, D_MODEL // N_HEADS, max_len, bytes_per_elem=4)
-        ok &= cache.nbytes == want
-        print(f"  {attention_kind(N_HEADS, kv):<5} {max_len}-token cache: {cache.nbytes:>9,} bytes allocated, "
-              f"{want:>9,} by the formula  {'OK' if cache.nbytes == want else 'FAIL'}")
-
-    # Feed a prompt as one chunk, then the rest one token at a time; compare with one forward over all.
-    attn = random_module(n_kv_heads, seed + 2)
-    x = torch.randn(BATCH, SEQ_LEN, D_MODEL)               # (B, T, d)
-    cache, prompt = attn.new_cache(BATCH, SEQ_LEN), SEQ_LEN // 2
-    with torch.no_grad():
-        full = attn(x)
-        steps = [attn(x[:, :prompt], cache=cache)]
-        steps += [attn(x[:, t:t + 1], cache=cache) for t in range(prompt, SEQ_LEN)]
-    diff = relative_diff(torch.cat(steps, dim=1), full)
-    print(f"  {attention_kind(N_HEADS, n_kv_heads)} cache fed {prompt} tokens, then {SEQ_LEN - prompt} one at a time:")
-    return ok & report("      max |cached - full forward| / max |full forward|", diff, 1e-5)
-
-
-# ----------------------------------------------------------------------------- decode time: a roofline
-# A decode step (T = 1) of one layer multiplies h queries with S cached keys, then the weights with S values,
-# per head (1, dh) @ (dh, S) and (1, S) @ (S, dh): two products of h S dh multiply-adds, 2 FLOPs each, so
-# 4 h S dh FLOPs, on 2 kv S dh numbers read (K and V).
+# ----------------------------------------------------------------------------- a second pass: decode time, a roofline
+# A decode step (T = 1) of one layer, per head: the query times S cached keys, (1, dh) @ (dh, S), then the weights
+# times S values, (1, S) @ (S, dh): 2 h S dh multiply-adds, 4 h S dh FLOPs, on 2 kv S dh numbers read (K and V).
 # A machine reads so many bytes and computes so many FLOPs per second at most, so a step takes at least
 #     floor = max(bytes / read rate, FLOPs / FLOP rate)                                  (the roofline)
 # E.g. MHA at 8192 tokens, fp32: 134 MFLOP on 268 MB. At 20 GB/s and 100 GFLOP/s the read takes 13.4 ms and
@@ -430,10 +431,10 @@ def main(argv=None):
     args = parse_args(argv)        # a bad flag, --out-dir or edited knob ends here, in one line (exit code 2)
     kv = args.n_kv_heads
     print(f"Causal attention, d={D_MODEL}, dh={D_MODEL // N_HEADS}, {N_HEADS} query heads reading {kv} K/V "
-          f"head{'s' if kv > 1 else ''}: {attention_kind(N_HEADS, kv)}, groups of {N_HEADS // kv}\n")
-    ok = run_checks(kv, args.seed)
+          f"head{'s' if kv > 1 else ''}: {attention_kind(N_HEADS, kv)}, groups of {N_HEADS // kv}")
     print_cache_tables(kv)
-    ok &= check_cache(kv, args.seed)
+    ok = check_cache(kv, args.seed)
+    ok &= run_checks(kv, args.seed)
     timing = measure_decode(DECODE_CONTEXTS, LLAMA_KV_HEADS, DECODE_ROUNDS)
     problems = timing_contradictions(timing)              # timings that contradict each other: a busy machine
     print_decode_table(timing, problems)
@@ -490,8 +491,8 @@ def relative_diff(a, b):
 
 # ----------------------------------------------------------------------------- the cache tables
 def print_cache_tables(n_kv_heads):
-    """Sections 2 and 3: the Llama-7B shape per configuration (the demo's g marked), then published models."""
-    print(f"\n2. KV cache of a Llama-7B-shaped model ({LLAMA_LAYERS} layers, {LLAMA_HEADS} query heads, "
+    """Sections 1 and 2: the Llama-7B shape per configuration (the demo's g marked), then published models."""
+    print(f"\n1. KV cache of a Llama-7B-shaped model ({LLAMA_LAYERS} layers, {LLAMA_HEADS} query heads, "
           f"dh={LLAMA_D_HEAD}, {CACHE_BYTES_PER_ELEM}-byte numbers, {CACHE_TOKENS} tokens, batch 1)")
     print("   bytes = 2 (K and V) x layers x K/V heads x dh x tokens x bytes per number")
     mha_bytes = llama_cache_bytes(LLAMA_HEADS)
@@ -509,7 +510,7 @@ def print_cache_tables(n_kv_heads):
     if same_g is None:                                     # e.g. N_HEADS = 6, N_KV_HEADS = 2: g = 3
         print(f"   (no row has your demo's g = {g}: {LLAMA_HEADS} query heads do not split into groups of {g})")
 
-    print(f"\n3. Published models at their own shapes ({CACHE_BYTES_PER_ELEM}-byte numbers, {CACHE_TOKENS} tokens, batch 1): "
+    print(f"\n2. Published models at their own shapes ({CACHE_BYTES_PER_ELEM}-byte numbers, {CACHE_TOKENS} tokens, batch 1): "
           f"how many requests fit in {GPU_CACHE_GB} GB of cache")
     print(f"   {'model':<20}{'layers':>7}{'h':>5}{'kv':>5}{'dh':>5}  {'kind':<7}{'KV cache':>11}{'requests':>10}")
     for name, (layers, h, kv, dh) in PUBLISHED_MODELS.items():

@@ -31,7 +31,7 @@ def test_mha_is_bit_identical_to_torch(dtype, d, h, T, train, fused, bias):
     operations in the same order (both projections the same addmm on the same matrix; the attention between
     on views where PyTorch has copies), 0.0 on every MKL path CI runs."""
     ref = torch_mha(d, h, dtype, bias).train(train)
-    ours = mha.CausalMHA.from_torch(ref)
+    ours = mha.from_torch(ref)
     assert ours.training == train and ours.in_proj.weight.dtype == dtype
     assert (ours.in_proj.bias is None) == (not bias)
     x = torch.randn(1, T, d, dtype=dtype)
@@ -49,7 +49,7 @@ def test_mha_matches_torch_on_a_batch_within_rounding(dtype, tol, d, h, B, T, fu
     product (ours within it, addmm), on rows stacked (T, B) where ours are (B, T); both may round otherwise.
     A reshape that mixed sequences would be off by far more."""
     ref = torch_mha(d, h, dtype)
-    y_diff, w_diff = mha.max_diff_vs_torch(mha.CausalMHA.from_torch(ref), torch.randn(B, T, d, dtype=dtype), ref,
+    y_diff, w_diff = mha.max_diff_vs_torch(mha.from_torch(ref), torch.randn(B, T, d, dtype=dtype), ref,
                                            fused=fused)
     assert y_diff <= tol and (w_diff or 0.0) <= tol, (y_diff, w_diff)
 
@@ -60,7 +60,7 @@ def test_mha_bit_identical_with_one_or_two_threads(threads, fused):
     torch.set_num_threads(threads)
     ref = torch_mha(384, 8, seed=3)
     x = torch.randn(1, 50, 384)
-    y_diff, w_diff = mha.max_diff_vs_torch(mha.CausalMHA.from_torch(ref), x, ref, fused=fused)
+    y_diff, w_diff = mha.max_diff_vs_torch(mha.from_torch(ref), x, ref, fused=fused)
     assert y_diff == 0.0 and (w_diff or 0.0) == 0.0, f"{threads} threads: {y_diff:.3e}, {w_diff}"
 
 
@@ -74,21 +74,21 @@ def test_the_two_paths_are_the_same_attention_within_rounding():
 
 def test_swapped_heads_fail_the_check():
     ref = torch_mha(256, 8, seed=6)
-    broken = mha.swap_query_heads(mha.CausalMHA.from_torch(ref), 0, 1)
+    broken = mha.swap_query_heads(mha.from_torch(ref), 0, 1)
     y_diff, _ = mha.max_diff_vs_torch(broken, torch.randn(2, 12, 256), ref)
     assert y_diff > 1e-3, f"swapping two query heads went unnoticed: {y_diff:.3e}"
 
 
 def test_to_torch_inverts_from_torch():
     ref = torch_mha(128, 4, seed=7)
-    back = mha.CausalMHA.from_torch(ref).to_torch()
+    back = mha.to_torch(mha.from_torch(ref))
     for (name, p), (_, q) in zip(ref.named_parameters(), back.named_parameters()):
         assert torch.equal(p, q), name
 
 
 def test_from_torch_copies_every_weight_and_bias_to_its_place():
     ref = torch_mha(64, 4, bias=True, seed=2)
-    ours = mha.CausalMHA.from_torch(ref)
+    ours = mha.from_torch(ref)
     assert torch.equal(ours.in_proj.weight, ref.in_proj_weight) and torch.equal(ours.in_proj.bias, ref.in_proj_bias)
     assert torch.equal(ours.out_proj.weight, ref.out_proj.weight) and torch.equal(ours.out_proj.bias, ref.out_proj.bias)
     assert ref.in_proj_bias.abs().min() > 0                # biases really random: a misplaced one would show
@@ -233,7 +233,7 @@ def test_weights_from_the_fused_path_are_refused():
 ])
 def test_from_torch_refuses_what_it_cannot_copy(ref, error, words):
     with pytest.raises(error) as e:
-        mha.CausalMHA.from_torch(ref)
+        mha.from_torch(ref)
     one_sentence(e, words)
 
 
@@ -242,4 +242,4 @@ def test_dropout_in_eval_mode_is_accepted_and_exact():
     evaluated.dropout = 0.1                                # dropout does nothing in eval mode
     evaluated.eval()
     x = torch.randn(1, 5, 64)
-    assert mha.max_diff_vs_torch(mha.CausalMHA.from_torch(evaluated), x, evaluated)[0] == 0.0
+    assert mha.max_diff_vs_torch(mha.from_torch(evaluated), x, evaluated)[0] == 0.0

@@ -560,7 +560,7 @@ def test_to_gqa_of_equal_heads_is_the_same_function(h, kv, new_kv, pool, dtype, 
     attn = tie_kv_heads_in_groups(gqa_module(16 * h, h, kv, dtype, seed=11), kv // new_kv)
     out = quality.to_gqa(attn, new_kv, pool=pool)
     assert (out.n_heads, out.n_kv_heads, out.d_head) == (h, new_kv, 16)
-    for (name, p), (_, q) in zip(attn.to_torch().named_parameters(), out.to_torch().named_parameters()):
+    for (name, p), (_, q) in zip(mha.to_torch(attn).named_parameters(), mha.to_torch(out).named_parameters()):
         assert mha.relative_diff(q, p) <= tol, name        # a mean of 3 equal floats may round
     x = torch.randn(2, 7, 16 * h, dtype=dtype)
     with torch.no_grad():

@@ -106,8 +106,8 @@ def test_knob_changes_the_run(tmp_path, capsys):
 
 def test_a_failing_check_says_fail_and_exits_1(tmp_path, monkeypatch, capsys):
     """Copy the weights wrongly for every check, and the run must say FAIL and exit 1."""
-    right = mha.CausalMHA.from_torch
-    monkeypatch.setattr(mha.CausalMHA, "from_torch", staticmethod(lambda ref: mha.swap_query_heads(right(ref), 2, 3)))
+    right = mha.from_torch
+    monkeypatch.setattr(mha, "from_torch", lambda ref: mha.swap_query_heads(right(ref), 2, 3))
     code, out, _ = run_main(["--out-dir", str(tmp_path)], capsys)
     assert code == 1 and "FAIL  (must be exactly 0)" in out and out.rstrip().endswith("All checks: FAIL")
 
@@ -335,7 +335,7 @@ def test_try_two_kv_heads(capsys, tmp_path):
 
 
 def test_try_swapping_two_heads(capsys, tmp_path):
-    m = edited_copy("copy = CausalMHA.from_torch(ref)", "copy = swap_query_heads(CausalMHA.from_torch(ref), 2, 3)",
+    m = edited_copy("copy = from_torch(ref)", "copy = swap_query_heads(from_torch(ref), 2, 3)",
                     tmp_path)
     assert not m.run_checks(4, 0)
     out = capsys.readouterr().out
