@@ -187,8 +187,8 @@ class KVCache:
 class CausalMHA(nn.Module):
     """Causal self-attention with h query heads and kv key/value heads (MHA, GQA or MQA).
 
-    One input projection makes q, k and v. Its output rows are every query head, then every key head,
-    then every value head, dh rows each: with kv == h exactly nn.MultiheadAttention's in_proj_weight.
+    One input projection makes q, k and v. Its weight has a row per output number: every query head, then
+    every key head, then every value head, dh rows each: with kv == h exactly nn.MultiheadAttention's in_proj_weight.
     """
 
     def __init__(self, d_model, n_heads, n_kv_heads=None, bias=True):
@@ -345,7 +345,7 @@ def swap_query_heads(attn, i, j):
 
 def run_checks(n_kv_heads, seed):
     """The evidence that the module is right. Returns True if every check passes."""
-    print(f"\n4. Checks against PyTorch (float32, T={SEQ_LEN}, d={D_MODEL}, h={N_HEADS}, B=1 if exact, else {BATCH})")
+    print(f"\n4. Checks against PyTorch (float32, T={SEQ_LEN}, d={D_MODEL}, h={N_HEADS}; exact lines B=1, others B={BATCH})")
     torch.manual_seed(seed)                                # PyTorch's own module is the reference
     ref = random_biases(nn.MultiheadAttention(D_MODEL, N_HEADS, batch_first=True).eval())
     x = torch.randn(BATCH, SEQ_LEN, D_MODEL)               # (B, T, d)
@@ -382,8 +382,8 @@ def run_checks(n_kv_heads, seed):
 
 
 # ----------------------------------------------------------------------------- a second pass: decode time, a roofline
-# A decode step (T = 1) of one layer, per head: the query times S cached keys, (1, dh) @ (dh, S), then the weights
-# times S values, (1, S) @ (S, dh): 2 h S dh multiply-adds, 4 h S dh FLOPs, on 2 kv S dh numbers read (K and V).
+# A decode step (T = 1) of one layer: each head's query times S cached keys, (1, dh) @ (dh, S), then its weights
+# times S values, (1, S) @ (S, dh). Over h heads: 2 h S dh multiply-adds, 4 h S dh FLOPs, on 2 kv S dh numbers.
 # A machine reads so many bytes and computes so many FLOPs per second at most, so a step takes at least
 #     floor = max(bytes / read rate, FLOPs / FLOP rate)                                  (the roofline)
 # E.g. MHA at 8192 tokens, fp32: 134 MFLOP on 268 MB. At 20 GB/s and 100 GFLOP/s the read takes 13.4 ms and
@@ -723,7 +723,8 @@ def plot_decode_time(timing, problems):
     log_axes(right, [0.125, 1, 8, 64, 512], [1, 10, 100, 1000])
     right.set_xlabel("arithmetic intensity (FLOPs per byte read)")
     right.set_ylabel("GFLOP/s")
-    right.set_title(f"the roofline; dots: each step measured at {s_max} tokens", fontsize=10)
+    right.set_title(f"MHA's roofline (each row's read rate differs a little); dots: each step at {s_max} tokens",
+                    fontsize=10)
     right.legend(fontsize=7, loc="lower right")
     title = f"One decode step of one layer's attention, {h} query heads, dh={dh}, fp32, on {machine_name()}"
     if problems:

@@ -68,6 +68,20 @@ def test_readme_quotes_the_real_output(two_runs):
     assert q_last == r_last and q_figures.split(": ")[1:] == r_figures.split(": ")[1:]     # the folder differs
 
 
+def test_readme_prose_quotes_the_quoted_decode_table():
+    """The section 5 bullet gives the quoted run's speed-up and range of 'reaches': both must be that run's."""
+    import re
+    with open(os.path.join(ROOT, "README.md")) as f:
+        readme = f.read()
+    quoted = readme.split("<!-- output:start -->\n```text\n")[1].split("```\n<!-- output:end -->")[0]
+    speedup = re.search(r"and is (\d+\.\d)x faster", quoted).group(1)
+    reaches = [int(line.split()[-1].rstrip("%")) for line in quoted.split("5. Decode step")[1].splitlines()
+               if re.match(r"   (MHA|GQA-\d+|MQA) .*%$", line)]
+    prose = " ".join(readme.split("<!-- output:end -->")[1].split())
+    assert len(reaches) == 4
+    assert f"MQA ran {speedup} times as fast as MHA, and the steps reached {min(reaches)} to {max(reaches)} % of" in prose
+
+
 def test_default_run_writes_four_pngs_and_nothing_else(two_runs):
     _, out_dir = two_runs[0]
     assert sorted(os.listdir(out_dir)) == sorted(FIGURES)
