@@ -124,19 +124,19 @@ def attend(q, k, v):
     B, h, T, dh = q.shape
     kv, S = k.shape[1], k.shape[2]
     g = h // kv
-    # Heads are numbered group by group (h = kv x g), so reshaping (h, T) to (kv, g*T) puts the g heads of
-    # group j one after another: query heads j*g .. j*g + g - 1, which all read K/V head j, as one block:
+    # Query heads are numbered group by group: heads j*g .. j*g + g - 1 all read K/V head j. Splitting h into
+    # (kv, g), then merging g with T, stacks each group's g heads as the g*T rows of one block:
     #     h=4, kv=2 (g=2), T=2:   block 0: q0t0 q0t1 q1t0 q1t1  -> all read k0, v0
     #                             block 1: q2t0 q2t1 q3t0 q3t1  -> all read k1, v1
-    # bmm multiplies stacks of matrices, so batch and group merge into one axis: block b*kv + j. reshape
-    # returns a view where the memory allows it (a cache's K and V), else a copy (q, which is small).
     # Bits: PyTorch multiplies q by sqrt(1 / dh); dividing by sqrt(dh) can differ in the last bit.
-    q = q.reshape(B * kv, g * T, dh) * math.sqrt(1.0 / dh)   # (B, h, T, dh) -> (B*kv, g*T, dh)
+    q = q.reshape(B, kv, g, T, dh)                         # (B, h, T, dh) -> (B, kv, g, T, dh): h = kv x g
+    q = q.reshape(B * kv, g * T, dh) * math.sqrt(1.0 / dh)   # -> (B*kv, g*T, dh): one stack of blocks, b*kv + j
+    # reshape gives a view where the memory layout allows it, else one copy: never of a cache's K and V.
     k = k.reshape(B * kv, S, dh)                           # (B, kv, S, dh) -> (B*kv, S, dh): one K, not g copies
     v = v.reshape(B * kv, S, dh)                           # (B, kv, S, dh) -> (B*kv, S, dh)
-    # The rows are g blocks of T tokens, so here .repeat is right: each block needs the same (T, S) mask.
-    mask = causal_mask(T, S, q.dtype).repeat(g, 1)         # (T, S) -> (g*T, S)
-    # One matrix product per block: its K/V head is read once for all g query heads.
+    # The g blocks of T rows each need the same (T, S) mask: tile stacks g copies of it, one under another.
+    mask = causal_mask(T, S, q.dtype).tile(g, 1)           # (T, S) -> (g*T, S)
+    # bmm: one matrix product per block of the stack, so its K/V head is read once for all g query heads.
     scores = torch.baddbmm(mask, q, k.transpose(1, 2))     # baddbmm(M, A, B) = M + A @ B, each block: (B*kv, g*T, S)
     p = scores.softmax(dim=-1)                             # (B*kv, g*T, S): each row sums to 1
     o = torch.bmm(p, v)                                    # (B*kv, g*T, S) @ (B*kv, S, dh) -> (B*kv, g*T, dh)
@@ -153,7 +153,7 @@ def attend_fused(q, k, v):
     B, h, T, dh = q.shape
     kv, S = k.shape[1], k.shape[2]
     q = q.reshape(B, kv, (h // kv) * T, dh)                # (B, h, T, dh) -> (B, kv, g*T, dh), as in attend
-    mask = causal_mask(T, S, q.dtype).repeat(h // kv, 1) if T > 1 else None   # (g*T, S)
+    mask = causal_mask(T, S, q.dtype).tile(h // kv, 1) if T > 1 else None     # (g*T, S), as in attend
     o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)   # (B, kv, g*T, dh); it scales by 1/sqrt(dh) itself
     return o.reshape(B, h, T, dh)                          # (B, kv, g*T, dh) -> (B, h, T, dh)
 
@@ -504,7 +504,8 @@ def print_cache_tables(n_kv_heads):
     print(f"   {'config':<8}{'n_kv_heads':>11}{'KV cache':>11}{'shrink':>8}")
     for kv in sorted(rows, reverse=True):
         n = llama_cache_bytes(kv)
-        note = f"   <- g = {g} query heads per K/V head, as in your demo ({N_HEADS} over {n_kv_heads})"
+        note = (f"   <- g = {g}, as in your demo: {N_HEADS} query heads over {n_kv_heads} there, "
+                f"{LLAMA_HEADS} over {kv} here")
         print(f"   {attention_kind(LLAMA_HEADS, kv):<8}{kv:>11}{n / 1e9:>8.2f} GB{mha_bytes // n:>7}x"
               f"{note if kv == same_g else ''}")
     if same_g is None:                                     # e.g. N_HEADS = 6, N_KV_HEADS = 2: g = 3
@@ -723,7 +724,7 @@ def plot_decode_time(timing, problems):
     log_axes(right, [0.125, 1, 8, 64, 512], [1, 10, 100, 1000])
     right.set_xlabel("arithmetic intensity (FLOPs per byte read)")
     right.set_ylabel("GFLOP/s")
-    right.set_title(f"MHA's roofline (each row's read rate differs a little); dots: each step at {s_max} tokens",
+    right.set_title(f"MHA's roofline (every row has its own read rate); dots: each step at {s_max} tokens",
                     fontsize=10)
     right.legend(fontsize=7, loc="lower right")
     title = f"One decode step of one layer's attention, {h} query heads, dh={dh}, fp32, on {machine_name()}"

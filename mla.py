@@ -90,7 +90,7 @@ def latent_attend(q_lat, q_rope, c, k_rope, scale):
     q_rope = q_rope.reshape(B, h * T, -1)                  # (B, h*T, dr)
     scores = (q_lat @ c.transpose(1, 2) + q_rope @ k_rope.transpose(1, 2)) * scale   # (B, h*T, S)
     if T > 1:                                              # one new token sees every key: no mask
-        scores = scores + mha.causal_mask(T, S, scores.dtype).repeat(h, 1)   # (h*T, S)
+        scores = scores + mha.causal_mask(T, S, scores.dtype).tile(h, 1)     # (h*T, S)
     return (scores.softmax(dim=-1) @ c).view(B, h, T, dc)  # (B, h*T, dc) -> (B, h, T, dc)
 
 
