@@ -1,13 +1,13 @@
 """
 Multi-head attention, and its grouped-query (GQA) and multi-query (MQA) variants, in one file.
 
-  1. CausalMHA: causal self-attention with one knob, n_kv_heads. Equal to n_heads it is multi-head attention
+  - CausalMHA: causal self-attention with one knob, n_kv_heads. Equal to n_heads it is multi-head attention
      (MHA, Vaswani et al. 2017); a divisor of n_heads is grouped-query attention (GQA, Ainslie et al. 2023),
      where each group of query heads shares one key/value head; 1 is multi-query attention (MQA, Shazeer 2019).
-  2. The attention written out twice: the textbook form, softmax(q k^T / sqrt(dh) + mask) v with each K/V head
+  - The attention written out twice: the textbook form, softmax(q k^T / sqrt(dh) + mask) v with each K/V head
      copied to its query heads, then attend(), the same result (up to rounding) without copies; PyTorch's fused call.
-  3. Sections 1 to 3 of the output: the KV cache of real models, in bytes, and decoding with a real cache.
-  4. On a second pass, section 4: with the weights of PyTorch's nn.MultiheadAttention copied in, MHA gives
+  - Sections 1 to 3 of the output: the KV cache of real models, in bytes, and decoding with a real cache.
+  - On a second pass, section 4: with the weights of PyTorch's nn.MultiheadAttention copied in, MHA gives
      the same output to the last bit (max difference exactly 0.0) on a sequence, and GQA or MQA is within
      2e-6 of three references that copy or broadcast K/V heads. Section 5: a decode step's time, and its floor.
 A first pass reads to the first "a second pass" section below. After main(): tables, timing, figures, plumbing.
@@ -61,7 +61,7 @@ PUBLISHED_MODELS = {
     "Llama-2-70B": (80, 64, 8, 128),
     "Llama-3-8B": (32, 32, 8, 128),
     "Mistral-7B-v0.2": (32, 32, 8, 128),   # v0.1's layers see 4096 tokens back: its cache stops there
-    "Falcon-7B": (32, 71, 1, 64),          # Falcon trained at 2048 tokens: 4096 is a what-if for both
+    "Falcon-7B": (32, 71, 1, 64),          # both Falcons trained at 2048 tokens: 4096 is a what-if
     "Falcon-40B": (60, 128, 8, 64),
     "Gemma-2B": (18, 8, 1, 256),
 }
@@ -118,8 +118,7 @@ def attend(q, k, v):
     The g query heads of a group are stacked as the g*T rows of one "head", which reads its K/V head once,
     never g copies of it. Nothing else changes: a row of q @ k^T comes from its own query row alone, and the
     softmax and p @ v work row by row, so each row gets what its own head would have.
-    Bits: with g = 1 (MHA) nothing is stacked, and this is the textbook form in nn.MultiheadAttention's own
-    operations and order (q scaled first, the mask added by baddbmm), so the same bits.
+    Bits: with g = 1 (MHA) nothing is stacked: nn.MultiheadAttention's operations in its order, the same bits.
     """
     B, h, T, dh = q.shape
     kv, S = k.shape[1], k.shape[2]
@@ -128,7 +127,7 @@ def attend(q, k, v):
     # (kv, g), then merging g with T, stacks each group's g heads as the g*T rows of one block:
     #     h=4, kv=2 (g=2), T=2:   block 0: q0t0 q0t1 q1t0 q1t1  -> all read k0, v0
     #                             block 1: q2t0 q2t1 q3t0 q3t1  -> all read k1, v1
-    # Bits: PyTorch multiplies q by sqrt(1 / dh); dividing by sqrt(dh) can differ in the last bit.
+    # q is scaled first, as PyTorch does, by sqrt(1 / dh): the textbook's / sqrt(dh) can differ in the last bit.
     q = q.reshape(B, kv, g, T, dh)                         # (B, h, T, dh) -> (B, kv, g, T, dh): h = kv x g
     q = q.reshape(B * kv, g * T, dh) * math.sqrt(1.0 / dh)   # -> (B*kv, g*T, dh): one stack of blocks, b*kv + j
     # reshape gives a view where the memory layout allows it, else one copy: never of a cache's K and V.
@@ -140,7 +139,8 @@ def attend(q, k, v):
     scores = torch.baddbmm(mask, q, k.transpose(1, 2))     # baddbmm(M, A, B) = M + A @ B, each block: (B*kv, g*T, S)
     p = scores.softmax(dim=-1)                             # (B*kv, g*T, S): each row sums to 1
     o = torch.bmm(p, v)                                    # (B*kv, g*T, S) @ (B*kv, S, dh) -> (B*kv, g*T, dh)
-    return o.view(B, h, T, dh), p.view(B, h, T, S)         # un-stacked: (B, h, T, dh), (B, h, T, S)
+    # No row moved: row i*T + t of block b*kv + j is token t of query head j*g + i, so a view un-stacks them.
+    return o.view(B, h, T, dh), p.view(B, h, T, S)         # (B*kv, g*T, ...) -> (B, h, T, dh), (B, h, T, S)
 
 
 def attend_fused(q, k, v):
@@ -248,7 +248,7 @@ def llama_cache_bytes(n_kv_heads, tokens=CACHE_TOKENS):
 
 # ----------------------------------------------------------------------------- decoding with a cache
 def random_module(n_kv_heads, seed):
-    """A CausalMHA of the demo's shape, its biases random too (random_biases, after main())."""
+    """A CausalMHA of the demo's shape, its biases random too: PyTorch's zeros would hide a misplaced bias."""
     torch.manual_seed(seed)
     return random_biases(CausalMHA(D_MODEL, N_HEADS, n_kv_heads).eval())
 
@@ -299,7 +299,7 @@ def to_torch(attn):
         q, k, v = t.split([h * dh, kv * dh, kv * dh])
         # Each K/V head's dh rows repeated for its g query heads, as attend_textbook repeats k: [k0 k0 k1 k1].
         k = k.unflatten(0, (kv, dh)).repeat_interleave(h // kv, dim=0)   # (kv dh, d) -> (kv, dh, d) -> (h, dh, d)
-        v = v.unflatten(0, (kv, dh)).repeat_interleave(h // kv, dim=0)   # a bias: (kv dh,) -> (kv, dh) -> (h, dh)
+        v = v.unflatten(0, (kv, dh)).repeat_interleave(h // kv, dim=0)   # the same; a bias (kv dh,) -> (h, dh)
         return torch.cat([q, k.flatten(0, 1), v.flatten(0, 1)])          # (3 h dh, d) or (3 h dh,)
 
     ref = nn.MultiheadAttention(attn.d_model, h, bias=attn.in_proj.bias is not None, batch_first=True,
@@ -355,7 +355,7 @@ def run_checks(n_kv_heads, seed):
     ok = report("MHA   written out vs nn.MHA(need_weights=True)", y_diff, 0.0)   # prints it, True if OK
     ok &= report("MHA   the same, per-head weights", w_diff, 0.0)
     ok &= report("MHA   fused vs nn.MHA(need_weights=False)", max_diff_vs_torch(copy, one, ref, fused=True)[0], 0.0)
-    with torch.no_grad():                                  # PyTorch's two paths differ: a 0.0 is no accident
+    with torch.no_grad():                                  # PyTorch's two paths differ, so a 0.0 means its order
         mask = causal_mask(SEQ_LEN, SEQ_LEN)
         own = ref(one, one, one, attn_mask=mask)[0] - ref(one, one, one, attn_mask=mask, need_weights=False)[0]
     print(f"  {'      nn.MHA need_weights=True vs =False':<52} = {own.abs().max():.2e}  (PyTorch against itself: "
