@@ -56,12 +56,19 @@ def test_comparable_masks_only_tolerance_values_and_pytorch_against_itself():
         comparable(tol.replace("1.19e-07", "3.00e-06"))
 
 
+def readme_output():
+    """The README's quoted blocks of `python mha.py`'s output (sections 1 to 3, then 4 and 5), joined as printed."""
+    with open(os.path.join(ROOT, "README.md")) as f:
+        readme = f.read()
+    blocks = [part.split("```\n<!-- output:end -->")[0] for part in readme.split("<!-- output:start -->\n```text\n")[1:]]
+    assert len(blocks) == 2 and blocks[1].startswith("4. Checks against PyTorch")
+    return readme, "\n".join(blocks)
+
+
 def test_readme_quotes_the_real_output(two_runs):
     """Everything the run prints before the timings is the same on every CPU but the tolerance values."""
     r, _ = two_runs[0]
-    with open(os.path.join(ROOT, "README.md")) as f:
-        readme = f.read()
-    quoted = readme.split("<!-- output:start -->\n```text\n")[1].split("```\n<!-- output:end -->")[0]
+    _, quoted = readme_output()
     cut = "5. Decode step"
     assert cut in quoted and cut in r.stdout
     assert comparable(quoted.split(cut)[0]) == comparable(r.stdout.split(cut)[0])
@@ -72,13 +79,11 @@ def test_readme_quotes_the_real_output(two_runs):
 def test_readme_prose_quotes_the_quoted_decode_table():
     """The section 5 bullet gives the quoted run's speed-up and range of 'reaches': both must be that run's."""
     import re
-    with open(os.path.join(ROOT, "README.md")) as f:
-        readme = f.read()
-    quoted = readme.split("<!-- output:start -->\n```text\n")[1].split("```\n<!-- output:end -->")[0]
+    readme, quoted = readme_output()
     speedup = re.search(r"and is (\d+\.\d)x faster", quoted).group(1)
     reaches = [int(line.split()[-1].rstrip("%")) for line in quoted.split("5. Decode step")[1].splitlines()
                if re.match(r"   (MHA|GQA-\d+|MQA) .*%$", line)]
-    prose = " ".join(readme.split("<!-- output:end -->")[1].split())
+    prose = " ".join(readme.split())
     assert len(reaches) == 4
     assert f"MQA ran {speedup} times as fast as MHA, and the steps reached {min(reaches)} to {max(reaches)} % of" in prose
 
