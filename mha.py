@@ -10,7 +10,8 @@ Multi-head attention, and its grouped-query (GQA) and multi-query (MQA) variants
   - On a second pass, section 4: with the weights of PyTorch's nn.MultiheadAttention copied in, MHA gives
     the same output to the last bit (max difference exactly 0.0) on a sequence, and GQA or MQA is within
     2e-6 of three references that copy or broadcast K/V heads. Section 5: a decode step's time, and its floor.
-A first pass reads to the first "a second pass" section below. After main(): tables, timing, figures, plumbing.
+A first pass skips the sections headed "a second pass" and the comments that begin "Bits:".
+After main(): the tables, the timing, the figures and the plumbing.
 
 Not here: training and what GQA costs (quality.py), what came after GQA (mla.py), dropout, padding masks,
 cross-attention, positional encodings.
@@ -127,10 +128,9 @@ def attend(q, k, v):
     # (kv, g), then merging g with T, stacks each group's g heads as the g*T rows of one block:
     #     h=4, kv=2 (g=2), T=2:   block 0: q0t0 q0t1 q1t0 q1t1  -> all read k0, v0
     #                             block 1: q2t0 q2t1 q3t0 q3t1  -> all read k1, v1
-    # q is scaled first, as PyTorch does, by sqrt(1 / dh): the textbook's / sqrt(dh) can differ in the last bit.
+    # Bits: q is scaled first, as PyTorch does, by sqrt(1 / dh); the textbook's / sqrt(dh) can differ in the last bit.
     q = q.reshape(B, kv, g, T, dh)                         # (B, h, T, dh) -> (B, kv, g, T, dh): h = kv x g
     q = q.reshape(B * kv, g * T, dh) * math.sqrt(1.0 / dh)   # -> (B*kv, g*T, dh): one stack of blocks, b*kv + j
-    # reshape gives a view where the memory layout allows it, else one copy: never of a cache's K and V.
     k = k.reshape(B * kv, S, dh)                           # (B, kv, S, dh) -> (B*kv, S, dh): one K, not g copies
     v = v.reshape(B * kv, S, dh)                           # (B, kv, S, dh) -> (B*kv, S, dh)
     # The g blocks of T rows each need the same (T, S) mask: tile stacks g copies of it, one under another.
@@ -248,7 +248,7 @@ def llama_cache_bytes(n_kv_heads, tokens=CACHE_TOKENS):
 
 # ----------------------------------------------------------------------------- decoding with a cache
 def random_module(n_kv_heads, seed):
-    """A CausalMHA of the demo's shape, its biases random too: PyTorch's zeros would hide a misplaced bias."""
+    """A CausalMHA of the demo's shape from this seed, its biases redrawn as the reference's are (random_biases)."""
     torch.manual_seed(seed)
     return random_biases(CausalMHA(D_MODEL, N_HEADS, n_kv_heads).eval())
 
@@ -468,7 +468,7 @@ def max_diffs_vs_copying(attn, x):
 
 
 def random_biases(module):
-    """Random biases, in place: PyTorch's zeros would hide a bias copied to the wrong rows."""
+    """Random biases, in place: nn.MultiheadAttention's zeros would hide a bias copied to the wrong rows."""
     with torch.no_grad():
         for name, p in module.named_parameters():
             if name.endswith("bias"):
@@ -504,8 +504,8 @@ def print_cache_tables(n_kv_heads):
     print(f"   {'config':<8}{'n_kv_heads':>11}{'KV cache':>11}{'shrink':>8}")
     for kv in sorted(rows, reverse=True):
         n = llama_cache_bytes(kv)
-        note = (f"   <- g = {g}, as in your demo: {N_HEADS} query heads over {n_kv_heads} there, "
-                f"{LLAMA_HEADS} over {kv} here")
+        note = (f"   <- g = {g}, as in your demo: its {N_HEADS} query heads over {n_kv_heads}, "
+                f"this row's {LLAMA_HEADS} over {kv}")
         print(f"   {attention_kind(LLAMA_HEADS, kv):<8}{kv:>11}{n / 1e9:>8.2f} GB{mha_bytes // n:>7}x"
               f"{note if kv == same_g else ''}")
     if same_g is None:                                     # e.g. N_HEADS = 6, N_KV_HEADS = 2: g = 3

@@ -38,8 +38,8 @@ def test_default_run_prints_the_evidence(two_runs):
         assert line_with(out, start).endswith("= 0.00e+00  OK  (must be exactly 0)"), start
     assert "FAIL, as it must" in out and "NOT DETECTED" not in out
     for row in ["MHA              32    2.15 GB      1x", "MQA               1    0.07 GB     32x",
-                ("GQA-16           16    1.07 GB      2x   <- g = 2, as in your demo: 8 query heads over 4 there, "
-                 "32 over 16 here"),
+                ("GQA-16           16    1.07 GB      2x   <- g = 2, as in your demo: its 8 query heads over 4, "
+                 "this row's 32 over 16"),
                 "Llama-2-70B              80   64    8  128  GQA-8      1.34 GB        29"]:
         assert row in out
     assert out.rstrip().endswith("All checks: OK")
@@ -120,7 +120,7 @@ def test_knob_changes_the_run(tmp_path, capsys):
     code, out, _ = run_main(["--n-kv-heads", "2", "--out-dir", str(tmp_path)], capsys)
     assert code == 0
     assert "GQA-2 written out vs nn.MHA, K/V heads repeated" in out
-    assert "GQA-8             8    0.54 GB      4x   <- g = 4, as in your demo: 8 query heads over 2 there, 32 over 8" in out
+    assert "GQA-8             8    0.54 GB      4x   <- g = 4, as in your demo: its 8 query heads over 2, this row's 32" in out
     assert out.count("<- g =") == 1 and "GQA-16" not in out
 
 
@@ -351,7 +351,7 @@ def test_try_two_kv_heads(capsys, tmp_path):
     m.print_cache_tables(kv)
     out = capsys.readouterr().out
     assert "GQA-2 written out vs nn.MHA, K/V heads repeated" in out
-    assert line_with(out, "GQA-8").endswith("<- g = 4, as in your demo: 8 query heads over 2 there, 32 over 8 here")
+    assert line_with(out, "GQA-8").endswith("<- g = 4, as in your demo: its 8 query heads over 2, this row's 32 over 8")
 
 
 def test_try_swapping_two_heads(capsys, tmp_path):
