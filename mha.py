@@ -5,13 +5,13 @@ Multi-head attention, and its grouped-query (GQA) and multi-query (MQA) variants
     (MHA, Vaswani et al. 2017); a divisor of n_heads is grouped-query attention (GQA, Ainslie et al. 2023),
     where each group of query heads shares one key/value head; 1 is multi-query attention (MQA, Shazeer 2019).
   - The attention written out twice: the textbook form, softmax(q k^T / sqrt(dh) + mask) v with each K/V head
-    copied to its query heads, then attend(), the same result (up to rounding) without copies; PyTorch's fused call.
+    copied to its query heads, then attend(), the same (up to rounding) without those copies; PyTorch's fused call.
   - Sections 1 to 3 of the output: the KV cache of real models, in bytes, and decoding with a real cache.
   - On a second pass, section 4: with the weights of PyTorch's nn.MultiheadAttention copied in, MHA gives
     the same output to the last bit (max difference exactly 0.0) on a sequence, and GQA or MQA is within
     2e-6 of three references that copy or broadcast K/V heads. Section 5: a decode step's time, and its floor.
 A first pass skips the sections headed "a second pass" and the comments that begin "Bits:".
-After main(): the tables, the timing, the figures and the plumbing.
+After main(): the checks' helpers, the tables, the timing, the figures and the plumbing.
 
 Not here: training and what GQA costs (quality.py), what came after GQA (mla.py), dropout, padding masks,
 cross-attention, positional encodings.
@@ -248,7 +248,7 @@ def llama_cache_bytes(n_kv_heads, tokens=CACHE_TOKENS):
 
 # ----------------------------------------------------------------------------- decoding with a cache
 def random_module(n_kv_heads, seed):
-    """A CausalMHA of the demo's shape from this seed, its biases redrawn as the reference's are (random_biases)."""
+    """A CausalMHA of the demo's shape from this seed, its biases drawn as the reference's (random_biases)."""
     torch.manual_seed(seed)
     return random_biases(CausalMHA(D_MODEL, N_HEADS, n_kv_heads).eval())
 

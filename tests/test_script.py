@@ -120,7 +120,8 @@ def test_knob_changes_the_run(tmp_path, capsys):
     code, out, _ = run_main(["--n-kv-heads", "2", "--out-dir", str(tmp_path)], capsys)
     assert code == 0
     assert "GQA-2 written out vs nn.MHA, K/V heads repeated" in out
-    assert "GQA-8             8    0.54 GB      4x   <- g = 4, as in your demo: its 8 query heads over 2, this row's 32" in out
+    assert ("GQA-8             8    0.54 GB      4x   <- g = 4, as in your demo: its 8 query heads over 2, "
+            "this row's 32 over 8") in out
     assert out.count("<- g =") == 1 and "GQA-16" not in out
 
 
