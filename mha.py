@@ -133,13 +133,13 @@ def attend(q, k, v):
     q = q.reshape(B * kv, g * T, dh) * math.sqrt(1.0 / dh)   # -> (B*kv, g*T, dh): one stack of blocks, b*kv + j
     k = k.reshape(B * kv, S, dh)                           # (B, kv, S, dh) -> (B*kv, S, dh): one K, not g copies
     v = v.reshape(B * kv, S, dh)                           # (B, kv, S, dh) -> (B*kv, S, dh)
-    # The g blocks of T rows each need the same (T, S) mask: tile stacks g copies of it, one under another.
+    # Every block needs the same (T, S) mask, whichever head it holds: tile stacks g copies, one under another.
     mask = causal_mask(T, S, q.dtype).tile(g, 1)           # (T, S) -> (g*T, S)
     # bmm: one matrix product per block of the stack, so its K/V head is read once for all g query heads.
     scores = torch.baddbmm(mask, q, k.transpose(1, 2))     # baddbmm(M, A, B) = M + A @ B, each block: (B*kv, g*T, S)
     p = scores.softmax(dim=-1)                             # (B*kv, g*T, S): each row sums to 1
     o = torch.bmm(p, v)                                    # (B*kv, g*T, S) @ (B*kv, S, dh) -> (B*kv, g*T, dh)
-    # No row moved: row i*T + t of block b*kv + j is token t of query head j*g + i, so a view un-stacks them.
+    # o and p come out of bmm as new tensors, rows in the stacked order drawn above: a view un-stacks them.
     return o.view(B, h, T, dh), p.view(B, h, T, S)         # (B*kv, g*T, ...) -> (B, h, T, dh), (B, h, T, S)
 
 
@@ -248,7 +248,7 @@ def llama_cache_bytes(n_kv_heads, tokens=CACHE_TOKENS):
 
 # ----------------------------------------------------------------------------- decoding with a cache
 def random_module(n_kv_heads, seed):
-    """A CausalMHA of the demo's shape from this seed, its biases drawn as the reference's (random_biases)."""
+    """A CausalMHA of the demo's shape from this seed, its biases random like the reference's (random_biases)."""
     torch.manual_seed(seed)
     return random_biases(CausalMHA(D_MODEL, N_HEADS, n_kv_heads).eval())
 
@@ -391,7 +391,7 @@ def run_checks(n_kv_heads, seed):
 # Which one decides is told by the FLOPs per byte, 4 h S dh / (2 kv S dh x 4 bytes) = h / (2 kv) = g / 2 in
 # fp32, against the ridge, FLOP rate / read rate: below it the bytes decide, above it the FLOPs. Both rates
 # are measured in the same run: a timed sum of each step's own K and V (one addition per number read, so
-# its time is the reading; a small K and V fit in the CPU's on-chip memory, its L2/L3, and read faster),
+# its time is the reading; a small K and V may come partly from the CPU's caches: each row has its own rate),
 # and a 512x512 matmul. They are rates this CPU reaches, not its peaks, so the floor is an estimate.
 def decode_flops(n_heads, d_head, S):
     """FLOPs of one new token's attention over S keys: 4 h S dh.  decode_flops(32, 128, 4096) == 67108864"""
