@@ -139,7 +139,7 @@ def attend(q, k, v):
     scores = torch.baddbmm(mask, q, k.transpose(1, 2))     # baddbmm(M, A, B) = M + A @ B, each block: (B*kv, g*T, S)
     p = scores.softmax(dim=-1)                             # (B*kv, g*T, S): each row sums to 1
     o = torch.bmm(p, v)                                    # (B*kv, g*T, S) @ (B*kv, S, dh) -> (B*kv, g*T, dh)
-    # o and p come out of bmm as new tensors, rows in the stacked order drawn above: a view un-stacks them.
+    # o and p are new tensors (softmax, bmm), their rows in the stacked order drawn above: a view un-stacks them.
     return o.view(B, h, T, dh), p.view(B, h, T, S)         # (B*kv, g*T, ...) -> (B, h, T, dh), (B, h, T, S)
 
 
