@@ -247,12 +247,6 @@ def llama_cache_bytes(n_kv_heads, tokens=CACHE_TOKENS):
 
 
 # ----------------------------------------------------------------------------- decoding with a cache
-def random_module(n_kv_heads, seed):
-    """A CausalMHA of the demo's shape from this seed, its biases random like the reference's (random_biases)."""
-    torch.manual_seed(seed)
-    return random_biases(CausalMHA(D_MODEL, N_HEADS, n_kv_heads).eval())
-
-
 def check_cache(n_kv_heads, seed):
     """Real caches: their bytes against the formula, and cached decoding against one full forward."""
     ok, max_len = True, 512
@@ -265,7 +259,7 @@ def check_cache(n_kv_heads, seed):
               f"{want:>9,} by the formula  {'OK' if cache.nbytes == want else 'FAIL'}")
 
     # Feed a prompt as one chunk, then the rest one token at a time; compare with one forward over all.
-    attn = random_module(n_kv_heads, seed + 2)
+    attn = random_module(n_kv_heads, seed + 2)             # the demo's shape, seeded (after main())
     x = torch.randn(BATCH, SEQ_LEN, D_MODEL)               # (B, T, d)
     cache, prompt = attn.new_cache(BATCH, SEQ_LEN), SEQ_LEN // 2
     with torch.no_grad():
@@ -465,6 +459,12 @@ def max_diffs_vs_copying(attn, x):
             y_ref = attn.out_proj(o.transpose(1, 2).reshape(B, T, h * dh))   # (B, h, T, dh) -> (B, T, d)
             diffs.append((y - y_ref).abs().max().item())
     return diffs
+
+
+def random_module(n_kv_heads, seed):
+    """A CausalMHA of the demo's shape from this seed, its biases random like the reference's."""
+    torch.manual_seed(seed)
+    return random_biases(CausalMHA(D_MODEL, N_HEADS, n_kv_heads).eval())
 
 
 def random_biases(module):
