@@ -13,7 +13,7 @@ Multi-head attention, and its grouped-query (GQA) and multi-query (MQA) variants
 A first pass skips the sections headed "a second pass" and the comments that begin "Bits:".
 After main(): the checks' helpers, the tables, the timing, the figures and the plumbing.
 
-Not here: training and what GQA costs (quality.py), what came after GQA (mla.py), dropout, padding masks,
+Not here: training and what GQA costs (quality.py), one answer to what comes after GQA (mla.py), dropout, padding masks,
 cross-attention, positional encodings.
 
 Run:    python mha.py  (a few seconds; writes figures/)     python mha.py --n-kv-heads 2  (or edit N_KV_HEADS)
@@ -64,7 +64,7 @@ PUBLISHED_MODELS = {
     "Mistral-7B-v0.2": (32, 32, 8, 128),   # v0.1's layers see 4096 tokens back: its cache stops there
     "Falcon-7B": (32, 71, 1, 64),          # both Falcons trained at 2048 tokens: 4096 is a what-if
     "Falcon-40B": (60, 128, 8, 64),
-    "Gemma-2B": (18, 8, 1, 256),
+    "Gemma-2B (v1)": (18, 8, 1, 256),     # Gemma 1, not Gemma-2-2B (26 layers, 4 K/V heads)
 }
 
 
@@ -144,7 +144,7 @@ def attend(q, k, v):
 
 
 def attend_fused(q, k, v):
-    """The same attention in PyTorch's one fused call, the one nn.MultiheadAttention(need_weights=False) runs.
+    """The same attention in one fused call, the one nn.MultiheadAttention(need_weights=False) makes on a float mask.
 
     softmax(q k^T / sqrt(dh) + mask) v in one call, on attend's stacked rows. It never stores p, which often
     makes it faster, and can round differently from attend() in the last bit. A decode step (T = 1) needs no
@@ -522,8 +522,8 @@ def print_cache_tables(n_kv_heads):
             n = kv_cache_bytes(layers, n_kv, dh, CACHE_TOKENS, bytes_per_elem=CACHE_BYTES_PER_ELEM)
             print(f"   {label:<20}{layers:>7}{h:>5}{n_kv:>5}{dh:>5}  {attention_kind(h, n_kv):<7}"
                   f"{n / 1e9:>8.2f} GB{int(GPU_CACHE_GB * 1e9 // n):>10}")
-    print("   The weights are paid once per GPU, the cache once per request: with many requests, or long ones,\n"
-          "   the cache decides how many fit at a time, and fewer K/V heads let more of them fit.")
+    print("   The weights are paid once per copy of the model, the cache once per request: with many requests, or\n"
+          "   long ones, the cache decides how many fit at a time, and fewer K/V heads let more of them fit.")
 
 
 # ----------------------------------------------------------------------------- the decode timing and its table
@@ -654,7 +654,8 @@ def plot_cache_sizes():
                 label=f"{kind} ({kv} K/V heads): {at:.2f} GB at {CACHE_TOKENS} tokens")
         ax.plot([CACHE_TOKENS], [at], "s", ms=8, color=f"C{i}")
     ax.axhline(GPU_CACHE_GB, color="gray", ls="--", lw=1)
-    ax.text(context[0], GPU_CACHE_GB * 1.15, f"{GPU_CACHE_GB} GB of GPU memory", fontsize=8, color="gray")
+    ax.text(context[0], GPU_CACHE_GB * 1.15, f"{GPU_CACHE_GB} GB of GPU memory set aside for the cache", fontsize=8,
+            color="gray")
     log_axes(ax, context[::2], [0.01, 0.1, 1, 10, 100])
     ax.set_xlabel("context length (tokens)")
     ax.set_ylabel("KV cache per request (GB, 1 GB = 1e9 bytes)")
@@ -707,26 +708,26 @@ def plot_decode_time(timing, problems):
     log_axes(left, contexts, [0.01, 0.1, 1, 10, 100])
     left.set_xlabel("cached context S (tokens)")
     left.set_ylabel("time per decode step (ms)")
-    left.set_title("measured, and the least time its two ceilings allow", fontsize=10)
+    left.set_title("measured, and its floor from the two rates measured beside it", fontsize=10)
     left.legend(fontsize=7, ncol=2)
     roof = timing.ceilings(h, s_max)
     intensity = sorted([2 ** e for e in range(-3, 11)] + [roof.ridge])   # FLOPs per byte, 1/8 .. 1024
     right.plot(intensity, [min(roof.flops, roof.bandwidth * x) / 1e9 for x in intensity], color="black",
                label=f"from memory: {roof.bandwidth / 1e9:.0f} GB/s; matmul {roof.flops / 1e9:.0f} GFLOP/s")
     right.axvline(roof.ridge, color="black", ls=":", lw=1)
-    right.text(roof.ridge * 1.1, roof.flops / 1e9 * 3, f"ridge {roof.ridge:.1f} FLOPs/byte", fontsize=8)
+    right.text(roof.ridge * 1.1, 1.3, f"ridge {roof.ridge:.1f} FLOPs/byte", fontsize=8)
     right.text(roof.ridge / 4, roof.flops / 1e9 / 2.2, "memory-bound:\nthe bytes decide", fontsize=8, ha="right")
     right.text(roof.ridge * 4, roof.flops / 1e9 * 1.3, "compute-bound: the FLOPs decide", fontsize=8)
     gpu_name, gpu_flops, gpu_bandwidth = GPU
     right.axvline(gpu_flops / gpu_bandwidth, color="gray", ls="--", lw=1,
                   label=f"{gpu_name} ridge: {gpu_flops / 1e12:.0f} TFLOP/s bf16 / {gpu_bandwidth / 1e12:.2f} TB/s"
-                        f" = {gpu_flops / gpu_bandwidth:.0f}")
+                        f" = {gpu_flops / gpu_bandwidth:.0f} (a bf16 step: g FLOPs/byte)")
     log_axes(right, [0.125, 1, 8, 64, 512], [1, 10, 100, 1000])
     right.set_xlabel("arithmetic intensity (FLOPs per byte read)")
     right.set_ylabel("GFLOP/s")
     right.set_title(f"MHA's roofline (every row has its own read rate); dots: each step at {s_max} tokens",
                     fontsize=10)
-    right.legend(fontsize=7, loc="lower right")
+    right.legend(fontsize=7, loc="upper left")
     title = f"One decode step of one layer's attention, {h} query heads, dh={dh}, fp32, on {machine_name()}"
     if problems:
         title += f"\nNOT TRUSTWORTHY: the machine was busy while timing ({problems[0]})"

@@ -8,6 +8,7 @@ import sys
 
 import conftest
 import pytest
+import torch
 from conftest import comparable, run_script
 
 import mha
@@ -368,6 +369,9 @@ def test_try_swapping_two_heads(capsys, tmp_path):
 
 def test_try_repeat_instead_of_repeat_interleave(capsys, tmp_path):
     m = edited_copy("k.repeat_interleave(g, dim=1)", "k.repeat(1, g, 1, 1)", tmp_path)   # [k0, k1, k0, k1]
+    g = m.N_HEADS // m.N_KV_HEADS                        # the README's pattern is the demo's, query head by query head
+    pattern = [f"k{j}" for j in torch.arange(m.N_KV_HEADS).repeat(g).tolist()[:5]]
+    assert f"`[{', '.join(pattern)}, ...]`" in things_to_try()
     assert not m.run_checks(4, 0)
     out = capsys.readouterr().out
     assert line_with(out, "GQA-4 written out vs the textbook").endswith("FAIL  (tolerance 2e-06)")
