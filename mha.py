@@ -83,7 +83,8 @@ def causal_mask(T, S, dtype=torch.float32):
     causal_mask(3, 3) == [[0, -inf, -inf], [0, 0, -inf], [0, 0, 0]]   (a whole sequence: T == S)
     causal_mask(2, 3) == [[0, 0, -inf], [0, 0, 0]]                    (key 0 cached, keys 1 and 2 new)
     Not F.scaled_dot_product_attention(is_causal=True), met below: with T < S it puts new token i at
-    position i, so it would see only keys 0 .. i and miss most of the cache.
+    position i, so it would see only keys 0 .. i and miss most of the cache. PyTorch's mask with this
+    alignment is torch.nn.attention.bias.causal_lower_right(T, S).
     """
     position = torch.arange(T).unsqueeze(1) + (S - T)      # (T, 1): where each new token sits among the keys
     future = torch.arange(S) > position                    # (S,) > (T, 1) -> (T, S): key j after token i

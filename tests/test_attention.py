@@ -5,6 +5,7 @@ import torch
 import torch.nn.functional as F
 from conftest import gqa_module
 from torch import nn
+from torch.nn.attention.bias import causal_lower_right
 
 import mha
 
@@ -178,6 +179,11 @@ def test_output_shape_and_attributes():
 def test_causal_mask_aligns_new_tokens_bottom_right():
     assert mha.causal_mask(2, 4).tolist() == [[0, 0, 0, float("-inf")], [0, 0, 0, 0]]
     assert torch.equal(mha.causal_mask(3, 3), torch.full((3, 3), float("-inf")).triu(1))
+    q, k, v = torch.randn(2, 4, 3, 8), torch.randn(2, 4, 9, 8), torch.randn(2, 4, 9, 8)   # T=3 new tokens, S=9
+    ours = F.scaled_dot_product_attention(q, k, v, attn_mask=mha.causal_mask(3, 9))
+    lower_right = F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(3, 9))   # as the docstring says
+    top_left = F.scaled_dot_product_attention(q, k, v, is_causal=True)                          # the trap it warns of
+    assert (ours - lower_right).abs().max() <= 1e-6 < (ours - top_left).abs().max()
 
 
 def test_attention_kind_names_the_kv_heads():
