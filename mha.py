@@ -2,10 +2,11 @@
 Multi-head attention, and its grouped-query (GQA) and multi-query (MQA) variants, in one file.
 
   - CausalMHA: causal self-attention with one knob, n_kv_heads. Equal to n_heads it is multi-head attention
-    (MHA, Vaswani et al. 2017); a divisor of n_heads is grouped-query attention (GQA, Ainslie et al. 2023),
+    (MHA, Vaswani et al. 2017); a divisor in between is grouped-query attention (GQA, Ainslie et al. 2023),
     where each group of query heads shares one key/value head; 1 is multi-query attention (MQA, Shazeer 2019).
   - The attention written out twice: the textbook form, softmax(q k^T / sqrt(dh) + mask) v with each K/V head
-    copied to its query heads, then attend(), the same (up to rounding) without those copies; PyTorch's fused call.
+    copied to its query heads, then attend(), the same (up to rounding) without those copies; then PyTorch's
+    fused call for the same.
   - Sections 1 to 3 of the output: the KV cache of real models, in bytes, and decoding with a real cache.
   - On a second pass, section 4: with the weights of PyTorch's nn.MultiheadAttention copied in, MHA gives
     the same output to the last bit (max difference exactly 0.0) on a sequence, and GQA or MQA is within
@@ -129,7 +130,7 @@ def attend(q, k, v):
     # (kv, g), then merging g with T, stacks each group's g heads as the g*T rows of one block:
     #     h=4, kv=2 (g=2), T=2:   block 0: q0t0 q0t1 q1t0 q1t1  -> all read k0, v0
     #                             block 1: q2t0 q2t1 q3t0 q3t1  -> all read k1, v1
-    # Bits: q is scaled first, as PyTorch does, by sqrt(1 / dh); the textbook's / sqrt(dh) can differ in the last bit.
+    # q times sqrt(1 / dh) scales every score as the textbook's / sqrt(dh) does. Bits: PyTorch's order, its last bit.
     q = q.reshape(B, kv, g, T, dh)                         # (B, h, T, dh) -> (B, kv, g, T, dh): h = kv x g
     q = q.reshape(B * kv, g * T, dh) * math.sqrt(1.0 / dh)   # -> (B*kv, g*T, dh): one stack of blocks, b*kv + j
     k = k.reshape(B * kv, S, dh)                           # (B, kv, S, dh) -> (B*kv, S, dh): one K, not g copies
@@ -147,7 +148,7 @@ def attend(q, k, v):
 def attend_fused(q, k, v):
     """The same attention in one fused call, the one nn.MultiheadAttention(need_weights=False) makes on a float mask.
 
-    softmax(q k^T / sqrt(dh) + mask) v in one call, on attend's stacked rows. It never stores p, which often
+    softmax(q k^T / sqrt(dh) + mask) v in one call, on attend's stacked rows (kept 4-D). It never stores p, which often
     makes it faster, and can round differently from attend() in the last bit. A decode step (T = 1) needs no
     mask: a single new token sees every key.
     """
@@ -195,7 +196,7 @@ class CausalMHA(nn.Module):
     def __init__(self, d_model, n_heads, n_kv_heads=None, bias=True):
         super().__init__()
         n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads     # the default is MHA
-        check_sizes(d_model, n_heads, n_kv_heads)          # one sentence if they cannot work (plumbing)
+        check_sizes(d_model, n_heads, n_kv_heads)          # raises a one-sentence error if they cannot work (plumbing)
         self.d_model, self.n_heads, self.n_kv_heads = d_model, n_heads, n_kv_heads
         self.d_head = d_model // n_heads
         self.in_proj = nn.Linear(d_model, (n_heads + 2 * n_kv_heads) * self.d_head, bias=bias)
@@ -206,7 +207,7 @@ class CausalMHA(nn.Module):
 
         With a cache, x holds only the new tokens: their keys and values are appended to the cache, and each attends
         to all cached tokens and to the new ones up to itself. fused=True: attend_fused (often faster, no weights)."""
-        check_call(self, x, need_weights, cache, fused)    # one sentence, before the cache is written
+        check_call(self, x, need_weights, cache, fused)    # a one-sentence error, before the cache is written
         B, T, _ = x.shape
         h, kv, dh = self.n_heads, self.n_kv_heads, self.d_head
         # Each token's q (h*dh numbers), k and v (kv*dh each) are cut into heads of dh numbers.
@@ -386,7 +387,7 @@ def run_checks(n_kv_heads, seed):
 # Which one decides is told by the FLOPs per byte, 4 h S dh / (2 kv S dh x 4 bytes) = h / (2 kv) = g / 2 in
 # fp32, against the ridge, FLOP rate / read rate: below it the bytes decide, above it the FLOPs. Both rates
 # are measured in the same run: a timed sum of each step's own K and V (one addition per number read, so
-# its time is the reading; a small K and V may come partly from the CPU's caches: each row has its own rate),
+# its time is the reading; a small K and V may come partly from the CPU's on-chip caches: each row has its own rate),
 # and a 512x512 matmul. They are rates this CPU reaches, not its peaks, so the floor is an estimate.
 def decode_flops(n_heads, d_head, S):
     """FLOPs of one new token's attention over S keys: 4 h S dh.  decode_flops(32, 128, 4096) == 67108864"""

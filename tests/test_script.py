@@ -86,7 +86,48 @@ def test_readme_prose_quotes_the_quoted_decode_table():
                if re.match(r"   (MHA|GQA-\d+|MQA) .*%$", line)]
     prose = " ".join(readme.split())
     assert len(reaches) == 4
-    assert f"MQA ran {speedup} times as fast as MHA, and the steps reached {min(reaches)} to {max(reaches)} % of" in prose
+    assert f"MQA ran {speedup} times as fast as MHA, and each step ran at {min(reaches)} to {max(reaches)} % of" in prose
+
+
+def test_readme_shapes_are_the_demo_forwards(monkeypatch):
+    """The README's table of the demo's tensors: each line's shapes are those forward and attend really make."""
+    import re
+    seen = {}
+    real_attend, real_baddbmm, real_bmm = mha.attend, torch.baddbmm, torch.bmm
+
+    def attend(q, k, v):
+        seen["q"], seen["k, v"] = [q.shape], [k.shape]
+        o, p = real_attend(q, k, v)
+        seen["o"].append(o.shape)                          # after the stacked o, from bmm below
+        return o, p
+
+    def baddbmm(mask, q, k_t):
+        seen["q, stacked"] = [q.shape]
+        seen["scores, p"] = [real_baddbmm(mask, q, k_t).shape]
+        return real_baddbmm(mask, q, k_t)
+
+    def bmm(p, v):
+        seen["o"] = [real_bmm(p, v).shape]
+        return real_bmm(p, v)
+
+    monkeypatch.setattr(mha, "attend", attend)
+    monkeypatch.setattr(torch, "baddbmm", baddbmm)
+    monkeypatch.setattr(torch, "bmm", bmm)
+    attn = mha.CausalMHA(mha.D_MODEL, mha.N_HEADS, mha.N_KV_HEADS)
+    attn.in_proj.register_forward_hook(lambda _m, _i, out: seen.update({"in_proj(x)": [out.shape]}))
+    attn.out_proj.register_forward_hook(lambda _m, i, out: seen.update({"heads side by side": [i[0].shape, out.shape]}))
+    x = torch.randn(mha.BATCH, mha.SEQ_LEN, mha.D_MODEL)
+    seen["x"] = [x.shape]
+    with torch.no_grad():
+        attn(x)
+    with open(os.path.join(ROOT, "README.md")) as f:
+        table = f.read().split("in the order `CausalMHA.forward` makes them")[1].split("```text\n")[1].split("```")[0]
+    lines = table.strip().splitlines()
+    assert len(lines) == len(seen) == 8
+    for line in lines:
+        name = re.split(r"\s{2,}", line)[0]
+        shapes = [tuple(int(n) for n in t.split(", ")) for t in re.findall(r"\((\d+(?:, \d+)+)\)", line)]
+        assert shapes == [tuple(s) for s in seen[name]], line
 
 
 def test_default_run_writes_four_pngs_and_nothing_else(two_runs):
