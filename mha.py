@@ -11,7 +11,7 @@ Multi-head attention, and its grouped-query (GQA) and multi-query (MQA) variants
   - On a second pass, section 4: with the weights of PyTorch's nn.MultiheadAttention copied in, MHA gives
     the same output to the last bit (max difference exactly 0.0) on a sequence, and GQA or MQA is within
     2e-6 of three references that copy or broadcast K/V heads. Section 5: a decode step's time, and its floor.
-A first pass skips the sections headed "a second pass" and the comments that begin "Bits:".
+A first pass skips the sections headed "a second pass" and what follows "Bits:" in a comment.
 After main(): the checks' helpers, the tables, the timing, the figures and the plumbing.
 
 Not here: training and what GQA costs (quality.py), one answer to what comes after GQA (mla.py), dropout, padding masks,
@@ -115,51 +115,6 @@ def attend_textbook(q, k, v):
     return p @ v, p                                        # (B, h, T, S) @ (B, h, S, dh) -> (B, h, T, dh)
 
 
-def attend(q, k, v):
-    """attend_textbook without the copies (shapes as there): CausalMHA's default path, timed in section 5.
-
-    The g query heads of a group are stacked as the g*T rows of one "head", which reads its K/V head once,
-    never g copies of it. Nothing else changes: a row of q @ k^T comes from its own query row alone, and the
-    softmax and p @ v work row by row, so each row gets what its own head would have.
-    Bits: with g = 1 (MHA) nothing is stacked: nn.MultiheadAttention's operations in its order, the same bits.
-    """
-    B, h, T, dh = q.shape
-    kv, S = k.shape[1], k.shape[2]
-    g = h // kv
-    # Query heads are numbered group by group: heads j*g .. j*g + g - 1 all read K/V head j. Splitting h into
-    # (kv, g), then merging g with T, stacks each group's g heads as the g*T rows of one block:
-    #     h=4, kv=2 (g=2), T=2:   block 0: q0t0 q0t1 q1t0 q1t1  -> all read k0, v0
-    #                             block 1: q2t0 q2t1 q3t0 q3t1  -> all read k1, v1
-    # q times sqrt(1 / dh) scales every score as the textbook's / sqrt(dh) does. Bits: PyTorch's order, its last bit.
-    q = q.reshape(B, kv, g, T, dh)                         # (B, h, T, dh) -> (B, kv, g, T, dh): h = kv x g
-    q = q.reshape(B * kv, g * T, dh) * math.sqrt(1.0 / dh)   # -> (B*kv, g*T, dh): one stack of blocks, b*kv + j
-    k = k.reshape(B * kv, S, dh)                           # (B, kv, S, dh) -> (B*kv, S, dh): one K, not g copies
-    v = v.reshape(B * kv, S, dh)                           # (B, kv, S, dh) -> (B*kv, S, dh)
-    # Every block needs the same (T, S) mask, whichever head it holds: tile stacks g copies, one under another.
-    mask = causal_mask(T, S, q.dtype).tile(g, 1)           # (T, S) -> (g*T, S)
-    # bmm: one matrix product per block of the stack, so its K/V head is read once for all g query heads.
-    scores = torch.baddbmm(mask, q, k.transpose(1, 2))     # baddbmm(M, A, B) = M + A @ B, each block: (B*kv, g*T, S)
-    p = scores.softmax(dim=-1)                             # (B*kv, g*T, S): each row sums to 1
-    o = torch.bmm(p, v)                                    # (B*kv, g*T, S) @ (B*kv, S, dh) -> (B*kv, g*T, dh)
-    # o and p are new tensors (softmax, bmm), their rows in the stacked order drawn above: a view un-stacks them.
-    return o.view(B, h, T, dh), p.view(B, h, T, S)         # (B*kv, g*T, ...) -> (B, h, T, dh), (B, h, T, S)
-
-
-def attend_fused(q, k, v):
-    """The same attention in one fused call, the one nn.MultiheadAttention(need_weights=False) makes on a float mask.
-
-    softmax(q k^T / sqrt(dh) + mask) v in one call, on attend's stacked rows (kept 4-D). It never stores p, which often
-    makes it faster, and can round differently from attend() in the last bit. A decode step (T = 1) needs no
-    mask: a single new token sees every key.
-    """
-    B, h, T, dh = q.shape
-    kv, S = k.shape[1], k.shape[2]
-    q = q.reshape(B, kv, (h // kv) * T, dh)                # (B, h, T, dh) -> (B, kv, g*T, dh), as in attend
-    mask = causal_mask(T, S, q.dtype).tile(h // kv, 1) if T > 1 else None     # (g*T, S), as in attend
-    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)   # (B, kv, g*T, dh); it scales by 1/sqrt(dh) itself
-    return o.reshape(B, h, T, dh)                          # (B, kv, g*T, dh) -> (B, h, T, dh)
-
-
 @dataclass
 class KVCache:
     """Keys and values of every token seen so far, k, v: (B, kv, max_len, dh), preallocated to max_len tokens.
@@ -191,6 +146,7 @@ class CausalMHA(nn.Module):
 
     One input projection makes q, k and v. Its weight has a row per output number: every query head, then
     every key head, then every value head, dh rows each: with kv == h exactly nn.MultiheadAttention's in_proj_weight.
+    forward calls attend(), defined next: what attend_textbook computes, without copying K/V heads.
     """
 
     def __init__(self, d_model, n_heads, n_kv_heads=None, bias=True):
@@ -234,6 +190,51 @@ class CausalMHA(nn.Module):
         return KVCache(torch.zeros(shape, **like), torch.zeros(shape, **like))
 
 
+def attend(q, k, v):
+    """attend_textbook without the copies (shapes as there): CausalMHA's default path, timed in section 5.
+
+    The g query heads of a group are stacked as the g*T rows of one "head", which reads its K/V head once,
+    never g copies of it. Nothing else changes: a row of q @ k^T comes from its own query row alone, and the
+    softmax and p @ v work row by row, so each row gets what its own head would have.
+    Bits: with g = 1 (MHA) nothing is stacked: nn.MultiheadAttention's operations in its order, the same bits.
+    """
+    B, h, T, dh = q.shape
+    kv, S = k.shape[1], k.shape[2]
+    g = h // kv
+    # Query heads are numbered group by group: heads j*g .. j*g + g - 1 all read K/V head j. Splitting h into
+    # (kv, g), then merging g with T, stacks each group's g heads as the g*T rows of one block:
+    #     h=4, kv=2 (g=2), T=2:   block 0: q0t0 q0t1 q1t0 q1t1  -> all read k0, v0
+    #                             block 1: q2t0 q2t1 q3t0 q3t1  -> all read k1, v1
+    # q times sqrt(1 / dh) scales every score as the textbook's / sqrt(dh) does. Bits: PyTorch's order, its last bit.
+    q = q.reshape(B, kv, g, T, dh)                         # (B, h, T, dh) -> (B, kv, g, T, dh): h = kv x g
+    q = q.reshape(B * kv, g * T, dh) * math.sqrt(1.0 / dh)   # -> (B*kv, g*T, dh): one stack of blocks, b*kv + j
+    k = k.reshape(B * kv, S, dh)                           # (B, kv, S, dh) -> (B*kv, S, dh): one K, not g copies
+    v = v.reshape(B * kv, S, dh)                           # (B, kv, S, dh) -> (B*kv, S, dh)
+    # Each head's T rows need the same (T, S) mask, whichever head: tile stacks g copies, one per head of a block.
+    mask = causal_mask(T, S, q.dtype).tile(g, 1)           # (T, S) -> (g*T, S)
+    # bmm: one matrix product per block of the stack, so its K/V head is read once for all g query heads.
+    scores = torch.baddbmm(mask, q, k.transpose(1, 2))     # baddbmm(M, A, B) = M + A @ B, each block: (B*kv, g*T, S)
+    p = scores.softmax(dim=-1)                             # (B*kv, g*T, S): each row sums to 1
+    o = torch.bmm(p, v)                                    # (B*kv, g*T, S) @ (B*kv, S, dh) -> (B*kv, g*T, dh)
+    # o and p are new tensors (softmax, bmm), their rows in the stacked order drawn above: a view un-stacks them.
+    return o.view(B, h, T, dh), p.view(B, h, T, S)         # (B*kv, g*T, ...) -> (B, h, T, dh), (B, h, T, S)
+
+
+def attend_fused(q, k, v):
+    """The same attention in one fused call, the one nn.MultiheadAttention(need_weights=False) makes on a float mask.
+
+    softmax(q k^T / sqrt(dh) + mask) v in one call, on attend's stacked rows (kept 4-D). It never stores p, which often
+    makes it faster, and can round differently from attend() in the last bit. A decode step (T = 1) needs no
+    mask: a single new token sees every key.
+    """
+    B, h, T, dh = q.shape
+    kv, S = k.shape[1], k.shape[2]
+    q = q.reshape(B, kv, (h // kv) * T, dh)                # (B, h, T, dh) -> (B, kv, g*T, dh), as in attend
+    mask = causal_mask(T, S, q.dtype).tile(h // kv, 1) if T > 1 else None     # (g*T, S), as in attend
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)   # (B, kv, g*T, dh); it scales by 1/sqrt(dh) itself
+    return o.reshape(B, h, T, dh)                          # (B, kv, g*T, dh) -> (B, h, T, dh)
+
+
 # ----------------------------------------------------------------------------- the KV cache, in bytes
 def kv_cache_bytes(n_layers, n_kv_heads, d_head, seq_len, batch=1, bytes_per_elem=2):
     """Bytes of the KV cache: 2 (K and V) x layers x K/V heads x dh x tokens x batch x bytes per number.
@@ -263,7 +264,8 @@ def check_cache(n_kv_heads, seed):
     # Feed a prompt as one chunk, then the rest one token at a time; compare with one forward over all.
     attn = random_module(n_kv_heads, seed + 2)             # the demo's shape, seeded (after main())
     x = torch.randn(BATCH, SEQ_LEN, D_MODEL)               # (B, T, d)
-    cache, prompt = attn.new_cache(BATCH, SEQ_LEN), SEQ_LEN // 2
+    cache = attn.new_cache(BATCH, SEQ_LEN)                 # room for all SEQ_LEN tokens of each sequence
+    prompt = SEQ_LEN // 2                                  # tokens fed at once, before one at a time
     with torch.no_grad():
         full = attn(x)
         steps = [attn(x[:, :prompt], cache=cache)]
@@ -694,7 +696,7 @@ def plot_head_layout(n_kv_heads):
 
 
 def plot_decode_time(timing, problems):
-    """Left: decode time against context, floors dashed. Right: MHA's roofline at the longest context, steps as dots."""
+    """Left: decode time against context, floors dashed. Right: each row's roofline at the longest context, and its step."""
     h, dh, contexts, s_max = LLAMA_HEADS, LLAMA_D_HEAD, timing.contexts, max(timing.contexts)
     fig = new_figure(13, 5.4)
     left, right = fig.subplots(1, 2)
@@ -705,21 +707,21 @@ def plot_decode_time(timing, problems):
         left.plot(contexts, [t * 1e3 for t in row], marker="o", color=f"C{i}", label=f"{kind} measured")
         left.plot(contexts, [timing.floor(kv, S)[0] * 1e3 for S in contexts], ls="--", color=f"C{i}", lw=1,
                   label=f"{kind} floor")
+        roof = timing.ceilings(kv, s_max)                  # each row's own roof: its own read rate
+        intensity = sorted([2 ** e for e in range(-3, 11)] + [roof.ridge])   # FLOPs per byte, 1/8 .. 1024
+        right.plot(intensity, [min(roof.flops, roof.bandwidth * x) / 1e9 for x in intensity], color=f"C{i}", lw=1)
         right.plot([flops / decode_bytes(kv, dh, s_max)], [flops / row[-1] / 1e9], "o", ms=8, color=f"C{i}",
-                   label=f"{kind}: g / 2 = {h / kv / 2:g} FLOPs per byte")
+                   label=f"{kind}: g / 2 = {h / kv / 2:g} FLOPs per byte; roof {roof.bandwidth / 1e9:.0f} GB/s, "
+                         f"ridge {roof.ridge:.1f}")
     log_axes(left, contexts, [0.01, 0.1, 1, 10, 100])
     left.set_xlabel("cached context S (tokens)")
     left.set_ylabel("time per decode step (ms)")
     left.set_title("measured, and its floor from the two rates measured beside it", fontsize=10)
     left.legend(fontsize=7, ncol=2)
-    roof = timing.ceilings(h, s_max)
-    intensity = sorted([2 ** e for e in range(-3, 11)] + [roof.ridge])   # FLOPs per byte, 1/8 .. 1024
-    right.plot(intensity, [min(roof.flops, roof.bandwidth * x) / 1e9 for x in intensity], color="black",
-               label=f"from memory: {roof.bandwidth / 1e9:.0f} GB/s; matmul {roof.flops / 1e9:.0f} GFLOP/s")
-    right.axvline(roof.ridge, color="black", ls=":", lw=1)
-    right.text(roof.ridge * 1.1, 1.3, f"ridge {roof.ridge:.1f} FLOPs/byte", fontsize=8)
+    roof = timing.ceilings(h, s_max)                       # MHA's, to place the words
     right.text(roof.ridge / 4, roof.flops / 1e9 / 2.2, "memory-bound:\nthe bytes decide", fontsize=8, ha="right")
-    right.text(roof.ridge * 4, roof.flops / 1e9 * 1.3, "compute-bound: the FLOPs decide", fontsize=8)
+    right.text(roof.ridge * 3, roof.flops / 1e9 * 1.3, f"compute-bound: the FLOPs decide\n(matmul "
+               f"{roof.flops / 1e9:.0f} GFLOP/s)", fontsize=8)
     gpu_name, gpu_flops, gpu_bandwidth = GPU
     right.axvline(gpu_flops / gpu_bandwidth, color="gray", ls="--", lw=1,
                   label=f"{gpu_name} ridge: {gpu_flops / 1e12:.0f} TFLOP/s bf16 / {gpu_bandwidth / 1e12:.2f} TB/s"
@@ -727,7 +729,7 @@ def plot_decode_time(timing, problems):
     log_axes(right, [0.125, 1, 8, 64, 512], [1, 10, 100, 1000])
     right.set_xlabel("arithmetic intensity (FLOPs per byte read)")
     right.set_ylabel("GFLOP/s")
-    right.set_title(f"MHA's roofline (every row has its own read rate); dots: each step at {s_max} tokens",
+    right.set_title(f"Each configuration's roofline (its own read rate) and its step at {s_max} tokens",
                     fontsize=10)
     right.legend(fontsize=7, loc="upper left")
     title = f"One decode step of one layer's attention, {h} query heads, dh={dh}, fp32, on {machine_name()}"
