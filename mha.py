@@ -62,7 +62,7 @@ PUBLISHED_MODELS = {
     "Llama-2-7B": (32, 32, 32, 128),
     "Llama-2-70B": (80, 64, 8, 128),
     "Llama-3-8B": (32, 32, 8, 128),
-    "Mistral-7B-v0.2": (32, 32, 8, 128),   # v0.1's layers see 4096 tokens back: its cache stops there
+    "Mistral-7B-v0.2": (32, 32, 8, 128),   # v0.1 attends to the last 4096 tokens only: its cache stops there
     "Falcon-7B": (32, 71, 1, 64),          # both Falcons trained at 2048 tokens: 4096 is a what-if
     "Falcon-40B": (60, 128, 8, 64),
     "Gemma-2B (v1)": (18, 8, 1, 256),     # Gemma 1, not Gemma-2-2B (26 layers, 4 K/V heads)
@@ -205,9 +205,10 @@ def attend(q, k, v):
     # (kv, g), then merging g with T, stacks each group's g heads as the g*T rows of one block:
     #     h=4, kv=2 (g=2), T=2:   block 0: q0t0 q0t1 q1t0 q1t1  -> all read k0, v0
     #                             block 1: q2t0 q2t1 q3t0 q3t1  -> all read k1, v1
+    #     the demo's q (README):  (2, 8, 12, 32) -> (2, 4, 2, 12, 32) -> (8, 24, 32), 8 blocks of 24 rows
     # q times sqrt(1 / dh) scales every score as the textbook's / sqrt(dh) does. Bits: PyTorch's order, its last bit.
     q = q.reshape(B, kv, g, T, dh)                         # (B, h, T, dh) -> (B, kv, g, T, dh): h = kv x g
-    q = q.reshape(B * kv, g * T, dh) * math.sqrt(1.0 / dh)   # -> (B*kv, g*T, dh): one stack of blocks, b*kv + j
+    q = q.reshape(B * kv, g * T, dh) * math.sqrt(1.0 / dh)   # -> (B*kv, g*T, dh): block b*kv + j, sequence b
     k = k.reshape(B * kv, S, dh)                           # (B, kv, S, dh) -> (B*kv, S, dh): one K, not g copies
     v = v.reshape(B * kv, S, dh)                           # (B, kv, S, dh) -> (B*kv, S, dh)
     # Each head's T rows need the same (T, S) mask, whichever head: tile stacks g copies, one per head of a block.
@@ -344,7 +345,7 @@ def swap_query_heads(attn, i, j):
 def run_checks(n_kv_heads, seed):
     """The evidence that the module is right. Returns True if every check passes."""
     print(f"\n4. Checks against PyTorch (float32, T={SEQ_LEN}, d={D_MODEL}, h={N_HEADS}; exact lines B=1, others B={BATCH})")
-    torch.manual_seed(seed)                                # PyTorch's own module is the reference
+    torch.manual_seed(seed)                                # the reference, nn.MHA, with random (not 0) biases
     ref = random_biases(nn.MultiheadAttention(D_MODEL, N_HEADS, batch_first=True).eval())
     x = torch.randn(BATCH, SEQ_LEN, D_MODEL)               # (B, T, d)
     one = x[:1]                                            # (1, T, d): the first sequence alone
@@ -710,9 +711,12 @@ def plot_decode_time(timing, problems):
         roof = timing.ceilings(kv, s_max)                  # each row's own roof: its own read rate
         intensity = sorted([2 ** e for e in range(-3, 11)] + [roof.ridge])   # FLOPs per byte, 1/8 .. 1024
         right.plot(intensity, [min(roof.flops, roof.bandwidth * x) / 1e9 for x in intensity], color=f"C{i}", lw=1)
-        right.plot([flops / decode_bytes(kv, dh, s_max)], [flops / row[-1] / 1e9], "o", ms=8, color=f"C{i}",
+        x = flops / decode_bytes(kv, dh, s_max)            # its FLOPs per byte, g / 2
+        right.plot([x], [flops / row[-1] / 1e9], "o", ms=8, color=f"C{i}",
                    label=f"{kind}: g / 2 = {h / kv / 2:g} FLOPs per byte; roof {roof.bandwidth / 1e9:.0f} GB/s, "
                          f"ridge {roof.ridge:.1f}")
+        right.plot([x, x], [flops / row[-1] / 1e9, min(roof.flops, roof.bandwidth * x) / 1e9], ls=":", lw=1,
+                   color=f"C{i}")                          # from the step up to its own roof
     log_axes(left, contexts, [0.01, 0.1, 1, 10, 100])
     left.set_xlabel("cached context S (tokens)")
     left.set_ylabel("time per decode step (ms)")
@@ -729,8 +733,8 @@ def plot_decode_time(timing, problems):
     log_axes(right, [0.125, 1, 8, 64, 512], [1, 10, 100, 1000])
     right.set_xlabel("arithmetic intensity (FLOPs per byte read)")
     right.set_ylabel("GFLOP/s")
-    right.set_title(f"Each configuration's roofline (its own read rate) and its step at {s_max} tokens",
-                    fontsize=10)
+    right.set_title(f"Each configuration's roofline (its own read rate; the four nearly coincide),\n"
+                    f"its step at {s_max} tokens, and dotted, the way up to its roof", fontsize=10)
     right.legend(fontsize=7, loc="upper left")
     title = f"One decode step of one layer's attention, {h} query heads, dh={dh}, fp32, on {machine_name()}"
     if problems:
