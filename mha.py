@@ -7,10 +7,9 @@ Multi-head attention, and its grouped-query (GQA) and multi-query (MQA) variants
   - The attention written out twice: the textbook form, softmax(q k^T / sqrt(dh) + mask) v with each K/V head
     copied to its query heads, then attend(), the same (up to rounding) without those copies; then PyTorch's
     fused call for the same.
-  - Sections 1 to 3 of the output: the KV cache of real models, in bytes, and decoding with a real cache.
-  - On a second pass, section 4: with the weights of PyTorch's nn.MultiheadAttention copied in, MHA gives
-    the same output to the last bit (max difference exactly 0.0) on a sequence, and GQA or MQA is within
-    2e-6 of three references that copy or broadcast K/V heads. Section 5: a decode step's time, and its floor.
+  - Sections 1 to 3 of the output: the KV cache of real models in bytes, decoding with a real cache, attend
+    against the textbook. On a second pass, 4: MHA with nn.MultiheadAttention's weights gives its output to the
+    last bit (max difference 0.0) on a sequence, GQA/MQA to 2e-6; 5: a decode step's time against its floor.
 A first pass skips the sections headed "a second pass" and what follows "Bits:" in a comment.
 After main(): the checks' helpers, the tables, the timing, the figures and the plumbing.
 
@@ -195,7 +194,9 @@ def attend(q, k, v):
 
     The g query heads of a group are stacked as the g*T rows of one "head", which reads its K/V head once,
     never g copies of it. Nothing else changes: a row of q @ k^T comes from its own query row alone, and the
-    softmax and p @ v work row by row, so each row gets what its own head would have.
+    softmax and p @ v work row by row, so each row gets what its own head would have. To see it in a REPL:
+    q, k, v = torch.randn(1, 4, 2, 8), torch.randn(1, 2, 2, 8), torch.randn(1, 2, 2, 8)   # h=4, kv=2, T=2
+    (attend(q, k, v)[0] - attend_textbook(q, k, v)[0]).abs().max()      # a few 1e-7: rounding, nothing more
     Bits: with g = 1 (MHA) nothing is stacked: nn.MultiheadAttention's operations in its order, the same bits.
     """
     B, h, T, dh = q.shape
@@ -252,9 +253,9 @@ def llama_cache_bytes(n_kv_heads, tokens=CACHE_TOKENS):
 
 # ----------------------------------------------------------------------------- decoding with a cache
 def check_cache(n_kv_heads, seed):
-    """Real caches: their bytes against the formula, and cached decoding against one full forward."""
+    """Real caches: their bytes against the formula, cached decoding against one full forward; the textbook."""
     ok, max_len = True, 512
-    print(f"\n3. Decoding with a real cache (d={D_MODEL}, h={N_HEADS}, dh={D_MODEL // N_HEADS}, fp32)")
+    print(f"\n3. Cached decoding; attend vs the textbook (d={D_MODEL}, h={N_HEADS}, dh={D_MODEL // N_HEADS}, fp32)")
     for kv in sorted({N_HEADS, n_kv_heads, 1}, reverse=True):     # MHA, yours and MQA, each once
         cache = CausalMHA(D_MODEL, N_HEADS, kv).new_cache(batch=1, max_len=max_len)
         want = kv_cache_bytes(1, kv, D_MODEL // N_HEADS, max_len, bytes_per_elem=4)
@@ -273,7 +274,9 @@ def check_cache(n_kv_heads, seed):
         steps += [attn(x[:, t:t + 1], cache=cache) for t in range(prompt, SEQ_LEN)]
     diff = relative_diff(torch.cat(steps, dim=1), full)
     print(f"  {attention_kind(N_HEADS, n_kv_heads)} cache fed {prompt} tokens, then {SEQ_LEN - prompt} one at a time:")
-    return ok & report("      max |cached - full forward| / max |full forward|", diff, 1e-5)
+    ok &= report("      max |cached - full forward| / max |full forward|", diff, 1e-5)
+    textbook = max_diffs_vs_copying(attn, x)[0]           # max |y - y through attend_textbook| (after main())
+    return ok & report(f"{attention_kind(N_HEADS, n_kv_heads):<5} attend vs the textbook, K/V copied", textbook, 2e-6)
 
 
 # ----------------------------------------------------------------------------- a second pass: checks against PyTorch
@@ -370,8 +373,7 @@ def run_checks(n_kv_heads, seed):
     ok &= report(f"{kind:<5} the same, per-head weights", w_diff, 2e-6)
     ok &= report(f"{kind:<5} fused vs that nn.MHA(need_weights=False)", max_diff_vs_torch(ours, x, fused=True)[0],
                  2e-6)
-    textbook, sdpa = max_diffs_vs_copying(ours, x)         # attend_textbook and F.sdpa(enable_gqa=True) (after main)
-    ok &= report(f"{kind:<5} written out vs the textbook, K/V copied", textbook, 2e-6)
+    sdpa = max_diffs_vs_copying(ours, x)[1]                # the textbook was section 3's; F.sdpa broadcasts K/V
     ok &= report(f"{kind:<5} written out vs F.sdpa(enable_gqa=True)", sdpa, 2e-6)
 
     broken, _ = max_diff_vs_torch(swap_query_heads(from_torch(ref), 0, 1), x, ref)
@@ -711,12 +713,12 @@ def plot_decode_time(timing, problems):
         roof = timing.ceilings(kv, s_max)                  # each row's own roof: its own read rate
         intensity = sorted([2 ** e for e in range(-3, 11)] + [roof.ridge])   # FLOPs per byte, 1/8 .. 1024
         right.plot(intensity, [min(roof.flops, roof.bandwidth * x) / 1e9 for x in intensity], color=f"C{i}", lw=1)
-        x = flops / decode_bytes(kv, dh, s_max)            # its FLOPs per byte, g / 2
-        right.plot([x], [flops / row[-1] / 1e9], "o", ms=8, color=f"C{i}",
+        per_byte = flops / decode_bytes(kv, dh, s_max)     # its FLOPs per byte, g / 2
+        right.plot([per_byte], [flops / row[-1] / 1e9], "o", ms=8, color=f"C{i}",
                    label=f"{kind}: g / 2 = {h / kv / 2:g} FLOPs per byte; roof {roof.bandwidth / 1e9:.0f} GB/s, "
                          f"ridge {roof.ridge:.1f}")
-        right.plot([x, x], [flops / row[-1] / 1e9, min(roof.flops, roof.bandwidth * x) / 1e9], ls=":", lw=1,
-                   color=f"C{i}")                          # from the step up to its own roof
+        right.plot([per_byte, per_byte], [flops / row[-1] / 1e9, min(roof.flops, roof.bandwidth * per_byte) / 1e9],
+                   ls=":", lw=1, color=f"C{i}")            # from the step up to its own roof
     log_axes(left, contexts, [0.01, 0.1, 1, 10, 100])
     left.set_xlabel("cached context S (tokens)")
     left.set_ylabel("time per decode step (ms)")
@@ -734,7 +736,7 @@ def plot_decode_time(timing, problems):
     right.set_xlabel("arithmetic intensity (FLOPs per byte read)")
     right.set_ylabel("GFLOP/s")
     right.set_title(f"Each configuration's roofline (its own read rate; the four nearly coincide),\n"
-                    f"its step at {s_max} tokens, and dotted, the way up to its roof", fontsize=10)
+                    f"and its step at {s_max} tokens, dotted up to its own roof", fontsize=10)
     right.legend(fontsize=7, loc="upper left")
     title = f"One decode step of one layer's attention, {h} query heads, dh={dh}, fp32, on {machine_name()}"
     if problems:

@@ -146,6 +146,18 @@ def test_attend_is_the_textbook_without_the_copies(T, S):
     assert torch.allclose(p, p_book, atol=1e-12) and torch.allclose(o, o_book, atol=1e-12)
 
 
+def test_attends_repl_example_runs_and_agrees_with_the_textbook():
+    """The two lines attend's docstring offers for a REPL, run as written, on 50 seeds: rounding only."""
+    lines = mha.attend.__doc__.split("To see it in a REPL:")[1].strip().splitlines()[:2]
+    worst = 0.0
+    for seed in range(50):
+        torch.manual_seed(seed)
+        scope = {"torch": torch, "attend": mha.attend, "attend_textbook": mha.attend_textbook}
+        exec(lines[0].strip(), scope)                      # noqa: S102 (the docstring's own line, as a doctest would)
+        worst = max(worst, eval(lines[1].split("#")[0].strip(), scope).item())
+    assert worst <= 2e-6, worst                          # rounding only: within the file's tolerance for GQA
+
+
 @pytest.mark.parametrize("kv", [8, 2, 1])
 def test_causal_future_tokens_do_not_change_the_past(kv):
     """By construction: the past's rows see the same numbers, the future's scores become exact zeros."""

@@ -121,7 +121,7 @@ def test_readme_shapes_are_the_demo_forwards(monkeypatch):
     with torch.no_grad():
         attn(x)
     with open(os.path.join(ROOT, "README.md")) as f:
-        table = f.read().split("in the order `CausalMHA.forward` makes them")[1].split("```text\n")[1].split("```")[0]
+        table = f.read().split("order `CausalMHA.forward` makes them")[1].split("```text\n")[1].split("```")[0]
     lines = table.strip().splitlines()
     assert len(lines) == len(seen) == 8
     for line in lines:
@@ -413,9 +413,11 @@ def test_try_repeat_instead_of_repeat_interleave(capsys, tmp_path):
     g = m.N_HEADS // m.N_KV_HEADS                        # the README's pattern is the demo's, query head by query head
     pattern = [f"k{j}" for j in torch.arange(m.N_KV_HEADS).repeat(g).tolist()[:5]]
     assert f"`[{', '.join(pattern)}, ...]`" in things_to_try()
-    assert not m.run_checks(4, 0)
+    assert not m.check_cache(4, 0)                       # section 3 holds the line against the textbook
+    assert m.run_checks(4, 0)                            # section 4 does not use attend_textbook
     out = capsys.readouterr().out
-    assert line_with(out, "GQA-4 written out vs the textbook").endswith("FAIL  (tolerance 2e-06)")
+    assert line_with(out, "GQA-4 attend vs the textbook").endswith("FAIL  (tolerance 2e-06)")
+    assert line_with(out, "max |cached - full forward|").endswith("OK  (tolerance 1e-05)")
     assert line_with(out, "MHA   written out").endswith("OK  (must be exactly 0)")
     for start in ["GQA-4 written out vs nn.MHA", "GQA-4 the same, per-head", "GQA-4 fused vs that", "GQA-4 written out vs F"]:
         assert line_with(out, start).endswith("OK  (tolerance 2e-06)"), start      # none copies K/V by .repeat
