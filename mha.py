@@ -209,7 +209,7 @@ def attend(q, k, v):
     #     the demo's q (README):  (2, 8, 12, 32) -> (2, 4, 2, 12, 32) -> (8, 24, 32), 8 blocks of 24 rows
     # q times sqrt(1 / dh) scales every score as the textbook's / sqrt(dh) does. Bits: PyTorch's order, its last bit.
     q = q.reshape(B, kv, g, T, dh)                         # (B, h, T, dh) -> (B, kv, g, T, dh): h = kv x g
-    q = q.reshape(B * kv, g * T, dh) * math.sqrt(1.0 / dh)   # -> (B*kv, g*T, dh): block b*kv + j, sequence b
+    q = q.reshape(B * kv, g * T, dh) * math.sqrt(1.0 / dh)   # -> (B*kv, g*T, dh): block b*kv+j: sequence b, group j
     k = k.reshape(B * kv, S, dh)                           # (B, kv, S, dh) -> (B*kv, S, dh): one K, not g copies
     v = v.reshape(B * kv, S, dh)                           # (B, kv, S, dh) -> (B*kv, S, dh)
     # Each head's T rows need the same (T, S) mask, whichever head: tile stacks g copies, one per head of a block.
