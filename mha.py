@@ -392,7 +392,7 @@ def run_checks(n_kv_heads, seed):
 # Which one decides is told by the FLOPs per byte, 4 h S dh / (2 kv S dh x 4 bytes) = h / (2 kv) = g / 2 in
 # fp32, against the ridge, FLOP rate / read rate: below it the bytes decide, above it the FLOPs. Both rates
 # are measured in the same run: a timed sum of each step's own K and V (one addition per number read, so
-# its time is the reading; a small K and V may come partly from the CPU's on-chip caches: each row has its own rate),
+# its time is the reading; each row has its own rate, since sizes, layouts and the machine's load differ),
 # and a 512x512 matmul. They are rates this CPU reaches, not its peaks, so the floor is an estimate.
 def decode_flops(n_heads, d_head, S):
     """FLOPs of one new token's attention over S keys: 4 h S dh.  decode_flops(32, 128, 4096) == 67108864"""
@@ -600,10 +600,11 @@ def print_decode_table(timing, problems):
     h, kinds, s_max = LLAMA_HEADS, list(timing.steps), max(timing.contexts)
     print(f"\n5. Decode step: one layer's attention (attend) over its cache, {h} query heads, dh={LLAMA_D_HEAD}, "
           f"fp32,\n   on {machine_name()}, best of {timing.rounds} rounds. At {s_max} tokens:")
-    print("   floor = max(bytes / read rate, FLOPs / matmul rate), the rates timed in the same rounds: the read rate")
-    print(f"   a sum of the row's own K and V, the matmul rate a {MATMUL_N}x{MATMUL_N} matmul's, "
-          f"{timing.flops / 1e9:.0f} GFLOP/s. ridge = matmul rate /")
-    print("   read rate: FLOPs per byte below it are memory-bound, above it compute-bound ('ridge' within 1 %).")
+    print("   floor = max(bytes / read rate, FLOPs / matmul rate), both rates timed in the same rounds: the read")
+    print(f"   rate is a sum's over the row's own K and V, the matmul rate a {MATMUL_N}x{MATMUL_N} matmul's, "
+          f"{timing.flops / 1e9:.0f} GFLOP/s.")
+    print("   ridge = matmul rate / read rate: FLOPs per byte below it are memory-bound, above it compute-bound;")
+    print("   bound 'ridge' means the two floors lie within 1 % of each other.")
     print(f"   {'config':<7}{'FLOP/byte':>10}{'read GB/s':>11}{'ridge':>7}  {'bound':<8}{'floor ms':>9}{'measured':>10}"
           f"{'reaches':>9}")
     for kv in kinds:
