@@ -601,7 +601,7 @@ def print_decode_table(timing, problems):
     print(f"\n5. Decode step: one layer's attention (attend) over its cache, {h} query heads, dh={LLAMA_D_HEAD}, "
           f"fp32,\n   on {machine_name()}, best of {timing.rounds} rounds. At {s_max} tokens:")
     print("   floor = max(bytes / read rate, FLOPs / matmul rate), both rates timed in the same rounds: the read")
-    print(f"   rate is a sum's over the row's own K and V, the matmul rate a {MATMUL_N}x{MATMUL_N} matmul's, "
+    print(f"   rate is that of a sum over the row's own K and V, the matmul rate a {MATMUL_N}x{MATMUL_N} matmul's, "
           f"{timing.flops / 1e9:.0f} GFLOP/s.")
     print("   ridge = matmul rate / read rate: FLOPs per byte below it are memory-bound, above it compute-bound;")
     print("   bound 'ridge' means the two floors lie within 1 % of each other.")
