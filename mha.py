@@ -246,11 +246,6 @@ def kv_cache_bytes(n_layers, n_kv_heads, d_head, seq_len, batch=1, bytes_per_ele
     return 2 * n_layers * n_kv_heads * d_head * seq_len * batch * bytes_per_elem
 
 
-def llama_cache_bytes(n_kv_heads, tokens=CACHE_TOKENS):
-    """The cache of the Llama-7B shape above with n_kv_heads K/V heads, batch 1."""
-    return kv_cache_bytes(LLAMA_LAYERS, n_kv_heads, LLAMA_D_HEAD, tokens, bytes_per_elem=CACHE_BYTES_PER_ELEM)
-
-
 # ----------------------------------------------------------------------------- decoding with a cache
 def check_cache(n_kv_heads, seed):
     """Real caches: their bytes against the formula, cached decoding against one full forward; the textbook."""
@@ -497,6 +492,11 @@ def relative_diff(a, b):
 
 
 # ----------------------------------------------------------------------------- the cache tables
+def llama_cache_bytes(n_kv_heads, tokens=CACHE_TOKENS):
+    """The cache of the Llama-7B shape of the knobs with n_kv_heads K/V heads, batch 1."""
+    return kv_cache_bytes(LLAMA_LAYERS, n_kv_heads, LLAMA_D_HEAD, tokens, bytes_per_elem=CACHE_BYTES_PER_ELEM)
+
+
 def print_cache_tables(n_kv_heads):
     """Sections 1 and 2: the Llama-7B shape per configuration (the demo's g marked), then published models."""
     print(f"\n1. KV cache of a Llama-7B-shaped model ({LLAMA_LAYERS} layers, {LLAMA_HEADS} query heads, "
