@@ -58,11 +58,15 @@ def test_comparable_masks_only_tolerance_values_and_pytorch_against_itself():
 
 
 def readme_output():
-    """The README's quoted blocks of `python mha.py`'s output (sections 1 to 3, then 4 and 5), joined as printed."""
+    """The quoted output of `python mha.py`, joined as printed: the README's blocks (sections 1 to 3, then 4)
+    and LABNOTES.md's (section 5 and the run's last lines), all from one run."""
     with open(os.path.join(ROOT, "README.md")) as f:
         readme = f.read()
+    with open(os.path.join(ROOT, "LABNOTES.md")) as f:
+        notes = f.read()
     blocks = [part.split("```\n<!-- output:end -->")[0] for part in readme.split("<!-- output:start -->\n```text\n")[1:]]
-    assert len(blocks) == 2 and blocks[1].startswith("4. Checks against PyTorch")
+    blocks += [part.split("```\n<!-- mha-output:end -->")[0] for part in notes.split("<!-- mha-output:start -->\n```text\n")[1:]]
+    assert len(blocks) == 3 and blocks[1].startswith("4. Checks against PyTorch") and blocks[2].startswith("5. Decode step")
     return readme, "\n".join(blocks)
 
 
