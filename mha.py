@@ -99,6 +99,9 @@ def attend_textbook(q, k, v):
     independent numbers of mean 0 and standard deviation 1 has standard deviation sqrt(dh), and dividing by
     it keeps the softmax from saturating (one weight near 1, the rest near 0). The softmax turns a query's
     scores into weights p that sum to 1; its output o is the weighted average of the values, (B, h, T, dh).
+    The README's example by hand, in a REPL: one head (B = h = kv = 1), its keys also its values, every query (1, 0):
+    k = torch.tensor([[[[1., 0.], [0., 1.], [1., 1.]]]])                  # (1, 1, 3, 2): 3 tokens, dh = 2
+    attend_textbook(torch.tensor([[[[1., 0.]] * 3]]), k, k)[0][0, 0, 2]   # token 2: tensor([0.8022, 0.5989])
     For GQA each K/V head is first copied to the g query heads of its group (here h=4, kv=2, g=2):
 
         query heads   q0  q1 | q2  q3          the same picture as k.repeat_interleave(g, dim=1),
@@ -165,7 +168,8 @@ class CausalMHA(nn.Module):
         check_call(self, x, need_weights, cache, fused)    # a one-sentence error, before the cache is written
         B, T, _ = x.shape
         h, kv, dh = self.n_heads, self.n_kv_heads, self.d_head
-        # Each token's q (h*dh numbers), k and v (kv*dh each) are cut into heads of dh numbers.
+        # Each token's q (h*dh numbers), k and v (kv*dh each) are cut into heads of dh numbers: view cuts within each
+        # token, whose numbers lie side by side; transpose then puts heads before tokens, as attention needs them.
         qkv = self.in_proj(x)                              # (B, T, d) -> (B, T, (h + 2kv) dh)
         q, k, v = qkv.split([h * dh, kv * dh, kv * dh], dim=-1)
         q = q.view(B, T, h, dh).transpose(1, 2)            # (B, T, h*dh) -> (B, T, h, dh) -> (B, h, T, dh)
@@ -194,7 +198,8 @@ def attend(q, k, v):
 
     The g query heads of a group are stacked as the g*T rows of one "head", which reads its K/V head once,
     never g copies of it. Nothing else changes: a row of q @ k^T comes from its own query row alone, and the
-    softmax and p @ v work row by row, so each row gets what its own head would have. To see it in a REPL:
+    softmax and p @ v work row by row, so each row gets what its own head would have. A first pass may take
+    that on trust: section 3's last line checks it. To see it in a REPL:
     q, k, v = torch.randn(1, 4, 2, 8), torch.randn(1, 2, 2, 8), torch.randn(1, 2, 2, 8)   # h=4, kv=2, T=2
     (attend(q, k, v)[0] - attend_textbook(q, k, v)[0]).abs().max()      # a few 1e-7: rounding, nothing more
     Bits: with g = 1 (MHA) nothing is stacked: nn.MultiheadAttention's operations in its order, the same bits.
