@@ -82,9 +82,6 @@ def causal_mask(T, S, dtype=torch.float32):
     keys (T < S only when decoding with a cache, below), so new token i sits at position S - T + i.
     causal_mask(3, 3) == [[0, -inf, -inf], [0, 0, -inf], [0, 0, 0]]   (a whole sequence: T == S)
     causal_mask(2, 3) == [[0, 0, -inf], [0, 0, 0]]                    (key 0 cached, keys 1 and 2 new)
-    Not F.scaled_dot_product_attention(is_causal=True), met below: with T < S it puts new token i at
-    position i, so it would see only keys 0 .. i and miss most of the cache. PyTorch's mask with this
-    alignment is torch.nn.attention.bias.causal_lower_right(T, S).
     """
     position = torch.arange(T).unsqueeze(1) + (S - T)      # (T, 1): where each new token sits among the keys
     future = torch.arange(S) > position                    # (S,) > (T, 1) -> (T, S): key j after token i
@@ -232,7 +229,9 @@ def attend_fused(q, k, v):
 
     softmax(q k^T / sqrt(dh) + mask) v in one call, on attend's stacked rows (kept 4-D). It never stores p, which often
     makes it faster, and can round differently from attend() in the last bit. A decode step (T = 1) needs no
-    mask: a single new token sees every key.
+    mask: a single new token sees every key. Not its is_causal=True: with T < S that puts new token i at
+    position i, so it would see only keys 0 .. i and miss most of the cache. PyTorch's mask with causal_mask's
+    alignment is torch.nn.attention.bias.causal_lower_right(T, S).
     """
     B, h, T, dh = q.shape
     kv, S = k.shape[1], k.shape[2]
