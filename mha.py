@@ -96,9 +96,10 @@ def attend_textbook(q, k, v):
     independent numbers of mean 0 and standard deviation 1 has standard deviation sqrt(dh), and dividing by
     it keeps the softmax from saturating (one weight near 1, the rest near 0). The softmax turns a query's
     scores into weights p that sum to 1; its output o is the weighted average of the values, (B, h, T, dh).
-    The README's example by hand, in a REPL: one head (B = h = kv = 1), its keys also its values, every query (1, 0):
+    The README's example by hand, in a REPL: one head (B = h = kv = 1), its keys also its values:
     k = torch.tensor([[[[1., 0.], [0., 1.], [1., 1.]]]])                  # (1, 1, 3, 2): 3 tokens, dh = 2
-    attend_textbook(torch.tensor([[[[1., 0.]] * 3]]), k, k)[0][0, 0, 2]   # token 2: tensor([0.8022, 0.5989])
+    q = torch.tensor([[[[1., 0.], [1., 0.], [1., 0.]]]])                  # (1, 1, 3, 2): every query (1, 0)
+    attend_textbook(q, k, k)[0][0, 0, 2]                                  # token 2: tensor([0.8022, 0.5989])
     For GQA each K/V head is first copied to the g query heads of its group (here h=4, kv=2, g=2):
 
         query heads   q0  q1 | q2  q3          the same picture as k.repeat_interleave(g, dim=1),
@@ -229,9 +230,9 @@ def attend_fused(q, k, v):
 
     softmax(q k^T / sqrt(dh) + mask) v in one call, on attend's stacked rows (kept 4-D). It never stores p, which often
     makes it faster, and can round differently from attend() in the last bit. A decode step (T = 1) needs no
-    mask: a single new token sees every key. Not its is_causal=True: with T < S that puts new token i at
-    position i, so it would see only keys 0 .. i and miss most of the cache. PyTorch's mask with causal_mask's
-    alignment is torch.nn.attention.bias.causal_lower_right(T, S).
+    mask: a single new token sees every key. Not its is_causal=True: that lets row i see keys 0 .. i, wrong for
+    the stacked rows after the first head's T, and with a cache (T < S) for every row, whose new token i sits
+    at S - T + i. For one head, causal_mask is PyTorch's torch.nn.attention.bias.causal_lower_right(T, S).
     """
     B, h, T, dh = q.shape
     kv, S = k.shape[1], k.shape[2]

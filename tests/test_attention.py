@@ -164,16 +164,17 @@ def test_attends_repl_example_runs_and_agrees_with_the_textbook():
 def test_the_textbooks_repl_example_is_the_readmes_by_hand():
     """attend_textbook's docstring lines, run as written, give the README's hand-worked (0.80, 0.60) and the
     printed digits; the README's weights (0.40, 0.20, 0.40) are p's row."""
-    lines = mha.attend_textbook.__doc__.split("in a REPL:")[1].strip().splitlines()[1:3]
+    lines = mha.attend_textbook.__doc__.split("in a REPL:")[1].strip().splitlines()[1:4]
     scope = {"torch": torch, "attend_textbook": mha.attend_textbook}
-    exec(lines[0].split("#")[0].strip(), scope)            # noqa: S102 (the docstring's own line, as a doctest would)
-    o = eval(lines[1].split("#")[0].strip(), scope)
-    printed = [float(n) for n in lines[1].rsplit("tensor([", 1)[1].split("])")[0].split(", ")]
+    for line in lines[:2]:                                 # k = ..., q = ...
+        exec(line.split("#")[0].strip(), scope)            # noqa: S102 (the docstring's own line, as a doctest would)
+    o = eval(lines[2].split("#")[0].strip(), scope)
+    printed = [float(n) for n in lines[2].rsplit("tensor([", 1)[1].split("])")[0].split(", ")]
     assert torch.equal(o.round(decimals=4), torch.tensor(printed)) and torch.equal(o.round(decimals=2), torch.tensor([0.8, 0.6]))
     with open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")) as f:
         readme = " ".join(f.read().split())
     assert "the softmax makes them `(0.40, 0.20, 0.40)`" in readme and "= (0.80, 0.60)`" in readme
-    p = mha.attend_textbook(torch.tensor([[[[1., 0.]] * 3]]), scope["k"], scope["k"])[1][0, 0, 2]
+    p = mha.attend_textbook(scope["q"], scope["k"], scope["k"])[1][0, 0, 2]
     assert torch.equal(p.round(decimals=2), torch.tensor([0.4, 0.2, 0.4]))
 
 
