@@ -47,7 +47,7 @@ FIGURES = ["attention_maps.png", "kv_cache_size.png", "head_layout.png", "decode
 
 # Section 1's table, the cache figure and the decode timing use Llama-7B-shaped attention.
 LLAMA_LAYERS, LLAMA_HEADS, LLAMA_D_HEAD = 32, 32, 128    # layers, query heads, head width
-LLAMA_KV_HEADS = (32, 8, 4, 1)    # K/V heads compared: MHA, GQA-8, GQA-4, MQA
+LLAMA_KV_HEADS = (32, 8, 4, 1)    # K/V heads compared: MHA, GQA-8, GQA-4, MQA (section 1 adds your demo's g)
 CACHE_TOKENS = 4096               # context length of the tables
 CACHE_BYTES_PER_ELEM = 2          # bytes per cached number: 2 = fp16/bf16, 1 = fp8, 4 = fp32
 GPU_CACHE_GB = 40                 # GPU memory set aside for the cache, GB (1 GB = 1e9 bytes)
@@ -228,10 +228,10 @@ def attend(q, k, v):
 def attend_fused(q, k, v):
     """The same attention in one fused call, the one nn.MultiheadAttention(need_weights=False) makes on a float mask.
 
-    softmax(q k^T / sqrt(dh) + mask) v in one call, on attend's stacked rows (kept 4-D). It never stores p, which often
-    makes it faster, and can round differently from attend() in the last bit. A decode step (T = 1) needs no
-    mask: a single new token sees every key. Not its is_causal=True: that lets row i see keys 0 .. i, wrong for
-    the stacked rows after the first head's T, and with a cache (T < S) for every row, whose new token i sits
+    softmax(q k^T / sqrt(dh) + mask) v in one call, on attend's stacked rows, (B, kv, g*T, dh). It never stores
+    p, which often makes it faster, and can round differently from attend() in the last bit. A decode step (T = 1)
+    needs no mask: a single new token sees every key. Not SDPA's is_causal=True: that lets row i see keys 0 .. i,
+    wrong for the stacked rows after the first head's T, and with a cache (T < S) for every row, whose new token i sits
     at S - T + i. For one head, causal_mask is PyTorch's torch.nn.attention.bias.causal_lower_right(T, S).
     """
     B, h, T, dh = q.shape
@@ -387,8 +387,8 @@ def run_checks(n_kv_heads, seed):
 # times S values, (1, S) @ (S, dh). Over h heads: 2 h S dh multiply-adds, 4 h S dh FLOPs, on 2 kv S dh numbers.
 # A machine reads so many bytes and computes so many FLOPs per second at most, so a step takes at least
 #     floor = max(bytes / read rate, FLOPs / FLOP rate)                                  (the roofline)
-# E.g. MHA at 8192 tokens, fp32: 134 MFLOP on 268 MB. At 20 GB/s and 100 GFLOP/s the read takes 13.4 ms and
-# the arithmetic 1.3 ms: the step waits on memory. MQA reads 32x fewer bytes (0.4 ms), so its FLOPs decide.
+# E.g. Llama-7B's MHA at 8192 tokens, fp32: 134 MFLOP on 268 MB. At 20 GB/s and 100 GFLOP/s the read takes
+# 13.4 ms and the arithmetic 1.3 ms: the step waits on memory. MQA reads 32x fewer bytes (0.4 ms), so its FLOPs decide.
 # Which one decides is told by the FLOPs per byte, 4 h S dh / (2 kv S dh x 4 bytes) = h / (2 kv) = g / 2 in
 # fp32, against the ridge, FLOP rate / read rate: below it the bytes decide, above it the FLOPs. Both rates
 # are measured in the same run: a timed sum of each step's own K and V (one addition per number read, so
