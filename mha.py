@@ -4,21 +4,17 @@ Multi-head attention, and its grouped-query (GQA) and multi-query (MQA) variants
   - CausalMHA: causal self-attention with one knob, n_kv_heads. Equal to n_heads it is multi-head attention
     (MHA, Vaswani et al. 2017); a divisor in between is grouped-query attention (GQA, Ainslie et al. 2023),
     where each group of query heads shares one key/value head; 1 is multi-query attention (MQA, Shazeer 2019).
-  - The attention written out twice: the textbook form, softmax(q k^T / sqrt(dh) + mask) v with each K/V head
-    copied to its query heads, then attend(), the same (up to rounding) without those copies; then PyTorch's
-    fused call for the same.
+  - The attention written out: one head as the formula reads, softmax(q k^T / sqrt(dh) + mask) v; all heads with
+    each K/V head copied (the textbook); attend(), the same without the copies; then PyTorch's fused call.
   - Sections 1 to 3 of the output: the KV cache of real models in bytes, decoding with a real cache, attend
     against the textbook. On a second pass, 4: MHA with nn.MultiheadAttention's weights gives its output to the
     last bit (max difference 0.0) on a sequence, GQA/MQA to 2e-6; 5: a decode step's time against its floor.
-A first pass skips the sections headed "a second pass" and what follows "Bits:" in a comment.
-After main(): the checks' helpers, the tables, the timing, the figures and the plumbing.
+A first pass skips the sections headed "a second pass" and what follows "Bits:". After main(): helpers and plumbing.
 
-Not here: training and what GQA costs (quality.py), one answer to what comes after GQA (mla.py), dropout, padding masks,
-cross-attention, positional encodings.
+Not here: training and what GQA costs (quality.py), what may come after GQA (mla.py), dropout, padding, positions.
 
 Run:    python mha.py  (a few seconds; writes figures/)     python mha.py --n-kv-heads 2  (or edit N_KV_HEADS)
-Papers: Vaswani et al. 2017, arXiv:1706.03762; Shazeer 2019, arXiv:1911.02150; Ainslie et al. 2023,
-        arXiv:2305.13245; Williams, Waterman and Patterson 2009, "Roofline" (Communications of the ACM).
+Papers: Vaswani et al. 2017 (arXiv:1706.03762), Shazeer 2019 (1911.02150), Ainslie et al. 2023 (2305.13245), Roofline 2009.
 Shapes: B batch, T tokens in this call, d model width, h query heads, kv key/value heads, g = h / kv query
         heads per K/V head, dh = d / h head width, S keys in the call (cached plus new tokens).
 """
@@ -88,31 +84,38 @@ def causal_mask(T, S, dtype=torch.float32):
     return torch.zeros(T, S, dtype=dtype).masked_fill(future, float("-inf"))
 
 
-def attend_textbook(q, k, v):
-    """softmax(q k^T / sqrt(dh) + causal mask) v, head by head, as textbooks write it; returns o and p.
+def attend_one_head(q, k, v):
+    """softmax(q k^T / sqrt(dh) + causal mask) v for one head of one sequence; returns o and p.
 
-    q: (B, h, T, dh), the queries of the T newest tokens; k, v: (B, kv, S, dh), the keys and values of all
-    S tokens so far, the T newest last. A query scores every key by a dot product: a sum of dh products of
-    independent numbers of mean 0 and standard deviation 1 has standard deviation sqrt(dh), and dividing by
-    it keeps the softmax from saturating (one weight near 1, the rest near 0). The softmax turns a query's
-    scores into weights p that sum to 1; its output o is the weighted average of the values, (B, h, T, dh).
-    The README's example by hand, in a REPL: one head (B = h = kv = 1), its keys also its values:
-    k = torch.tensor([[[[1., 0.], [0., 1.], [1., 1.]]]])                  # (1, 1, 3, 2): 3 tokens, dh = 2
-    q = torch.tensor([[[[1., 0.], [1., 0.], [1., 0.]]]])                  # (1, 1, 3, 2): every query (1, 0)
-    attend_textbook(q, k, k)[0][0, 0, 2]                                  # token 2: tensor([0.8022, 0.5989])
-    For GQA each K/V head is first copied to the g query heads of its group (here h=4, kv=2, g=2):
+    q: (T, dh), the queries of the T newest tokens; k, v: (S, dh), the keys and values of all S tokens so far,
+    the T newest last. A query scores every key by a dot product: a sum of dh products of independent numbers
+    of mean 0 and standard deviation 1 has standard deviation sqrt(dh), and dividing by it keeps the softmax
+    from saturating (one weight near 1, the rest near 0). The softmax turns a query's scores into weights p
+    that sum to 1; its output o is the weighted average of the values. The README's example by hand, in a REPL:
+    k = torch.tensor([[1., 0.], [0., 1.], [1., 1.]])       # (S, dh) = (3, 2): the keys, also the values
+    q = torch.tensor([[1., 0.], [1., 0.], [1., 0.]])       # (T, dh) = (3, 2): every query (1, 0)
+    attend_one_head(q, k, k)[0][2]                         # token 2: tensor([0.8022, 0.5989])
+    """
+    T, dh, S = q.shape[-2], q.shape[-1], k.shape[-2]
+    scores = q @ k.transpose(-2, -1) / math.sqrt(dh) + causal_mask(T, S, q.dtype)   # (T, dh) @ (dh, S) -> (T, S)
+    p = scores.softmax(dim=-1)                             # (T, S): each row sums to 1
+    return p @ v, p                                        # (T, S) @ (S, dh) -> (T, dh)
+
+
+def attend_textbook(q, k, v):
+    """attend_one_head on every head of every sequence at once, as textbooks write it; returns o and p.
+
+    q: (B, h, T, dh); k, v: (B, kv, S, dh). The same lines work: @ and transpose(-2, -1) act on the last two
+    dimensions and carry B and h along. For GQA each K/V head is first copied to the g query heads of its group:
 
         query heads   q0  q1 | q2  q3          the same picture as k.repeat_interleave(g, dim=1),
         K/V heads       k0   |   k1            [k0, k0, k1, k1]; NOT k.repeat(1, g, 1, 1),
                                                [k0, k1, k0, k1], which silently pairs q1 with k1.
     """
-    T, S, dh = q.shape[2], k.shape[2], q.shape[3]
     g = q.shape[1] // k.shape[1]                           # query heads per K/V head
     k = k.repeat_interleave(g, dim=1)                      # (B, kv, S, dh) -> (B, h, S, dh): query head i gets i // g
     v = v.repeat_interleave(g, dim=1)                      # (B, kv, S, dh) -> (B, h, S, dh)
-    scores = q @ k.transpose(-2, -1) / math.sqrt(dh) + causal_mask(T, S, q.dtype)   # (B, h, T, S)
-    p = scores.softmax(dim=-1)                             # (B, h, T, S): each row sums to 1
-    return p @ v, p                                        # (B, h, T, S) @ (B, h, S, dh) -> (B, h, T, dh)
+    return attend_one_head(q, k, v)                        # (B, h, T, dh), (B, h, T, S)
 
 
 @dataclass
@@ -299,7 +302,6 @@ def to_torch(attn):
 
     def widen(t):                                      # a weight's rows (or a bias's), (h + 2kv) dh -> 3 h dh
         q, k, v = t.split([h * dh, kv * dh, kv * dh])
-        # Each K/V head's dh rows repeated for its g query heads, as attend_textbook repeats k: [k0 k0 k1 k1].
         k = k.unflatten(0, (kv, dh)).repeat_interleave(h // kv, dim=0)   # (kv dh, d) -> (kv, dh, d) -> (h, dh, d)
         v = v.unflatten(0, (kv, dh)).repeat_interleave(h // kv, dim=0)   # the same; a bias (kv dh,) -> (h, dh)
         return torch.cat([q, k.flatten(0, 1), v.flatten(0, 1)])          # (3 h dh, d) or (3 h dh,)
@@ -412,8 +414,7 @@ class Ceilings:
 
     @property
     def ridge(self):
-        """The FLOPs per byte at which the two ceilings meet."""
-        return self.flops / self.bandwidth
+        return self.flops / self.bandwidth                 # the FLOPs per byte at which the two ceilings meet
 
 
 def roofline(flops, n_bytes, ceilings):

@@ -161,11 +161,11 @@ def test_attends_repl_example_runs_and_agrees_with_the_textbook():
     assert worst <= 2e-6, worst                          # rounding only: within the file's tolerance for GQA
 
 
-def test_the_textbooks_repl_example_is_the_readmes_by_hand():
-    """attend_textbook's docstring lines, run as written, give the README's hand-worked (0.80, 0.60) and the
+def test_the_one_head_repl_example_is_the_readmes_by_hand():
+    """attend_one_head's docstring lines, run as written, give the README's hand-worked (0.80, 0.60) and the
     printed digits; the README's weights (0.40, 0.20, 0.40) are p's row."""
-    lines = mha.attend_textbook.__doc__.split("in a REPL:")[1].strip().splitlines()[1:4]
-    scope = {"torch": torch, "attend_textbook": mha.attend_textbook}
+    lines = mha.attend_one_head.__doc__.split("in a REPL:")[1].strip().splitlines()[:3]
+    scope = {"torch": torch, "attend_one_head": mha.attend_one_head}
     for line in lines[:2]:                                 # k = ..., q = ...
         exec(line.split("#")[0].strip(), scope)            # noqa: S102 (the docstring's own line, as a doctest would)
     o = eval(lines[2].split("#")[0].strip(), scope)
@@ -174,8 +174,21 @@ def test_the_textbooks_repl_example_is_the_readmes_by_hand():
     with open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")) as f:
         readme = " ".join(f.read().split())
     assert "the softmax makes them `(0.40, 0.20, 0.40)`" in readme and "= (0.80, 0.60)`" in readme
-    p = mha.attend_textbook(scope["q"], scope["k"], scope["k"])[1][0, 0, 2]
+    p = mha.attend_one_head(scope["q"], scope["k"], scope["k"])[1][2]
     assert torch.equal(p.round(decimals=2), torch.tensor([0.4, 0.2, 0.4]))
+
+
+def test_the_textbook_is_one_head_at_a_time():
+    """attend_textbook on (B, h, T, dh) is attend_one_head run on each head of each sequence alone, with its K/V
+    head copied as the picture says (query head i reads K/V head i // g), and with a cache's earlier keys."""
+    torch.manual_seed(3)
+    q, k, v = torch.randn(2, 6, 3, 8), torch.randn(2, 3, 7, 8), torch.randn(2, 3, 7, 8)   # h=6, kv=3, T=3, S=7
+    o, p = mha.attend_textbook(q, k, v)
+    for b in range(2):
+        for i in range(6):
+            o_i, p_i = mha.attend_one_head(q[b, i], k[b, i // 2], v[b, i // 2])
+            assert torch.allclose(o[b, i], o_i, atol=1e-6) and torch.allclose(p[b, i], p_i, atol=1e-6), (b, i)
+    assert not torch.allclose(o[0, 1], mha.attend_one_head(q[0, 1], k[0, 1], v[0, 1])[0], atol=1e-3)
 
 
 @pytest.mark.parametrize("kv", [8, 2, 1])
