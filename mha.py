@@ -43,7 +43,7 @@ FIGURES = ["attention_maps.png", "kv_cache_size.png", "head_layout.png", "decode
 
 # Section 1's table, the cache figure and the decode timing use Llama-7B-shaped attention.
 LLAMA_LAYERS, LLAMA_HEADS, LLAMA_D_HEAD = 32, 32, 128    # layers, query heads, head width
-LLAMA_KV_HEADS = (32, 8, 4, 1)    # K/V heads compared: MHA, GQA-8, GQA-4, MQA (section 1 adds your demo's g)
+LLAMA_KV_HEADS = (32, 8, 4, 1)    # K/V heads compared: MHA, GQA-8, GQA-4, MQA (section 1 adds a row of your g)
 CACHE_TOKENS = 4096               # context length of the tables
 CACHE_BYTES_PER_ELEM = 2          # bytes per cached number: 2 = fp16/bf16, 1 = fp8, 4 = fp32
 GPU_CACHE_GB = 40                 # GPU memory set aside for the cache, GB (1 GB = 1e9 bytes)
