@@ -14,7 +14,7 @@ A first pass skips the sections headed "a second pass" and what follows "Bits:".
 Not here: training and what GQA costs (quality.py), what may come after GQA (mla.py), dropout, padding, positions.
 
 Run:    python mha.py  (a few seconds; writes figures/)     python mha.py --n-kv-heads 2  (or edit N_KV_HEADS)
-Papers: Vaswani et al. 2017 (arXiv:1706.03762), Shazeer 2019 (1911.02150), Ainslie et al. 2023 (2305.13245), Roofline 2009.
+Papers: Vaswani et al. 2017 (arXiv:1706.03762), Shazeer 2019 (1911.02150), Ainslie et al. 2023 (2305.13245).
 Shapes: B batch, T tokens in this call, d model width, h query heads, kv key/value heads, g = h / kv query
         heads per K/V head, dh = d / h head width, S keys in the call (cached plus new tokens).
 """
@@ -279,7 +279,7 @@ def check_cache(n_kv_heads, seed):
     print(f"  {attention_kind(N_HEADS, n_kv_heads)} cache fed {prompt} tokens, then {SEQ_LEN - prompt} one at a time:")
     ok &= report("      max |cached - full forward| / max |full forward|", diff, 1e-5)
     textbook = max_diff_vs_copying(attn, x)               # max |y - y through attend_textbook| (after main())
-    return ok & report(f"{attention_kind(N_HEADS, n_kv_heads):<5} attend vs the textbook, K/V copied", textbook, 2e-6)
+    return ok & report(f"{attention_kind(N_HEADS, n_kv_heads):<5} max |attend - textbook|, K/V copied", textbook, 2e-6)
 
 
 # ----------------------------------------------------------------------------- a second pass: checks against PyTorch
@@ -349,7 +349,7 @@ def swap_query_heads(attn, i, j):
 
 def run_checks(n_kv_heads, seed):
     """The evidence that the module is right. Returns True if every check passes."""
-    print(f"\n4. Checks against PyTorch (float32, T={SEQ_LEN}, d={D_MODEL}, h={N_HEADS}; exact lines B=1, others B={BATCH})")
+    print(f"\n4. Checks against PyTorch, each line max |ours - theirs| (fp32, T={SEQ_LEN}; B=1 if exact, else {BATCH})")
     torch.manual_seed(seed)                                # the reference, nn.MHA, with random (not 0) biases
     ref = random_biases(nn.MultiheadAttention(D_MODEL, N_HEADS, batch_first=True).eval())
     x = torch.randn(BATCH, SEQ_LEN, D_MODEL)               # (B, T, d)
@@ -524,8 +524,8 @@ def print_cache_tables(n_kv_heads):
     if same_g is None:                                     # e.g. N_HEADS = 6, N_KV_HEADS = 2: g = 3
         print(f"   (no row has your demo's g = {g}: {LLAMA_HEADS} query heads do not split into groups of {g})")
 
-    print(f"\n2. Published models at their own shapes ({CACHE_BYTES_PER_ELEM}-byte numbers, {CACHE_TOKENS} tokens, batch 1): "
-          f"how many requests fit in {GPU_CACHE_GB} GB of cache")
+    print(f"\n2. Published models at their own shapes ({CACHE_BYTES_PER_ELEM}-byte numbers, {CACHE_TOKENS} tokens, "
+          f"batch 1): how many requests fit in {GPU_CACHE_GB} GB of cache")
     print(f"   {'model':<20}{'layers':>7}{'h':>5}{'kv':>5}{'dh':>5}  {'kind':<7}{'KV cache':>11}{'requests':>10}")
     for name, (layers, h, kv, dh) in PUBLISHED_MODELS.items():
         variants = [(name, kv)]
@@ -706,7 +706,7 @@ def plot_head_layout(n_kv_heads):
 
 
 def plot_decode_time(timing, problems):
-    """Left: decode time against context, floors dashed. Right: each row's roofline at the longest context, and its step."""
+    """Left: decode time against context, floors dashed. Right: each row's roofline and its step at the longest S."""
     h, dh, contexts, s_max = LLAMA_HEADS, LLAMA_D_HEAD, timing.contexts, max(timing.contexts)
     fig = new_figure(13, 5.4)
     left, right = fig.subplots(1, 2)
@@ -729,7 +729,8 @@ def plot_decode_time(timing, problems):
     log_axes(left, contexts, [0.01, 0.1, 1, 10, 100])
     left.set_xlabel("cached context S (tokens)")
     left.set_ylabel("time per decode step (ms)")
-    left.set_title("measured, and its floor from the two rates measured beside it", fontsize=10)
+    left.set_title("measured, and its floor from the two rates measured beside it;\ncompute-bound floors "
+                   "coincide: all four configurations do the same FLOPs", fontsize=10)
     left.legend(fontsize=7, ncol=2)
     roof = timing.ceilings(h, s_max)                       # MHA's, to place the words
     right.text(roof.ridge / 4, roof.flops / 1e9 / 2.2, "memory-bound:\nthe bytes decide", fontsize=8, ha="right")
@@ -946,8 +947,7 @@ def machine_name():
 
 
 def cpu_seconds():
-    """(wall clock, busy CPU seconds of the machine from /proc/stat, of this process and its children), or None
-    off Linux."""
+    """(wall clock, busy CPU seconds of the machine (/proc/stat), of this process and its children); None off Linux."""
     if not os.path.exists("/proc/stat"):
         return None
     with open("/proc/stat") as f:

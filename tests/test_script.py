@@ -420,7 +420,7 @@ def test_try_repeat_instead_of_repeat_interleave(capsys, tmp_path):
     assert not m.check_cache(4, 0)                       # section 3 holds the line against the textbook
     assert m.run_checks(4, 0)                            # section 4 does not use attend_textbook
     out = capsys.readouterr().out
-    assert line_with(out, "GQA-4 attend vs the textbook").endswith("FAIL  (tolerance 2e-06)")
+    assert line_with(out, "GQA-4 max |attend - textbook|").endswith("FAIL  (tolerance 2e-06)")
     assert line_with(out, "max |cached - full forward|").endswith("OK  (tolerance 1e-05)")
     assert line_with(out, "MHA   written out").endswith("OK  (must be exactly 0)")
     for start in ["GQA-4 written out vs nn.MHA", "GQA-4 the same, per-head", "GQA-4 fused vs that", "GQA-4 written out vs F"]:
