@@ -534,7 +534,7 @@ def print_table_d(ablation, roles, chance, seed):
 
 
 # ----------------------------------------------------------------------------- figures
-COLORS = {"MHA": "tab:red", "GQA-4": "tab:green", "GQA-2": "tab:purple", "MQA": "tab:blue"}
+COLORS = {"MHA": "tab:blue", "GQA-4": "tab:green", "GQA-2": "tab:purple", "MQA": "tab:red"}   # as in mha.py's figures
 ROLE_COLORS = {"previous": "tab:orange", "itself": "tab:olive", "whitespace": "tab:cyan", "word start": "tab:pink"}
 
 
