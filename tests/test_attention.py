@@ -294,3 +294,27 @@ def test_dropout_in_eval_mode_is_accepted_and_exact():
     evaluated.eval()
     x = torch.randn(1, 5, 64)
     assert mha.max_diff_vs_torch(mha.from_torch(evaluated), x, evaluated)[0] == 0.0
+
+
+def test_the_stacking_figure_shows_each_heads_weights_in_the_row_it_labels():
+    """figures/stacking.png: a block's row labelled q{i}t{t} holds the numbers of the textbook's panel for query
+    head i, row t, and the masked cells are exactly the future keys; stacked in another order, it fails."""
+    fig = mha.plot_stacking()
+    axes = fig.axes
+    assert len(axes) == 6                                  # 4 textbook panels (h = 4), then 2 blocks (kv = 2)
+
+    def cells(ax):                                         # {(row label, column): the cell's text}
+        rows = [t.get_text() for t in ax.get_yticklabels()]
+        return {(rows[round(t.get_position()[1])], round(t.get_position()[0])): t.get_text() for t in ax.texts}
+
+    textbook = {}
+    for ax in axes[:4]:
+        textbook.update(cells(ax))
+    stacked = {}
+    for ax in axes[4:]:
+        stacked.update(cells(ax))
+    assert stacked == textbook and len(stacked) == 4 * 3 * 3
+    for (row, key), text in stacked.items():
+        t = int(row.split("t")[1])
+        assert (text == "masked") == (key > t), (row, key, text)
+    assert len({text for text in stacked.values()}) > 6    # real weights, not one repeated number

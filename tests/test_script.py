@@ -15,8 +15,8 @@ import mha
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "mha.py")
-FIGURES = ["attention_maps.png", "kv_cache_size.png", "head_layout.png", "decode_time.png"]
-DETERMINISTIC = FIGURES[:3]          # decode_time.png is measured, so it varies from run to run
+FIGURES = ["attention_maps.png", "kv_cache_size.png", "head_layout.png", "stacking.png", "decode_time.png"]
+DETERMINISTIC = FIGURES[:4]          # decode_time.png is measured, so it varies from run to run
 
 
 def run_main(argv, capsys):
@@ -134,7 +134,7 @@ def test_readme_shapes_are_the_demo_forwards(monkeypatch):
         assert shapes == [tuple(s) for s in seen[name]], line
 
 
-def test_default_run_writes_four_pngs_and_nothing_else(two_runs):
+def test_default_run_writes_five_pngs_and_nothing_else(two_runs):
     _, out_dir = two_runs[0]
     assert sorted(os.listdir(out_dir)) == sorted(FIGURES)
     for name in FIGURES:
@@ -465,3 +465,12 @@ def test_a_closed_or_full_stdout_is_one_line(tmp_path, stdout, words):
         if out:
             out.close()
     assert r.returncode == 1 and r.stderr == f"mha.py: error: {words}\n", r.stderr
+
+
+def test_a_planted_bug_that_changes_nothing_is_not_detected(monkeypatch, capsys):
+    """The on-purpose line must fail beyond rounding: a 'swap' that swaps nothing leaves only the batch's own
+    rounding (about 2e-7), which must read NOT DETECTED and fail the checks, not 'FAIL, as it must'."""
+    monkeypatch.setattr(mha, "swap_query_heads", lambda attn, i, j: attn)
+    assert not mha.run_checks(4, 0)
+    out = capsys.readouterr().out
+    assert "NOT DETECTED" in out and "as it must" not in out
