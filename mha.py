@@ -74,8 +74,8 @@ def attention_kind(n_heads, n_kv_heads):
 
 def causal_mask(T, S, dtype=torch.float32):
     """(T, S) additive mask: 0 where new token i may see key j, -inf where key j lies in its future (after the
-    softmax, exp(-inf) = 0: a future key gets no weight at all). The T new tokens are the last T of the S
-    keys (T < S only when decoding with a cache, below), so new token i sits at position S - T + i.
+    softmax, exp(-inf) = 0: a future key gets no weight at all). A whole sequence has T == S: the first example.
+    With a cache (KVCache, below) the T new tokens follow S - T kept ones, so token i sits at S - T + i.
     causal_mask(3, 3) == [[0, -inf, -inf], [0, 0, -inf], [0, 0, 0]]   (a whole sequence: T == S)
     causal_mask(2, 3) == [[0, 0, -inf], [0, 0, 0]]                    (key 0 cached, keys 1 and 2 new)
     """
@@ -169,8 +169,8 @@ class CausalMHA(nn.Module):
         check_call(self, x, need_weights, cache, fused)    # a one-sentence error, before the cache is written
         B, T, _ = x.shape
         h, kv, dh = self.n_heads, self.n_kv_heads, self.d_head
-        # Each token's q (h*dh numbers), k and v (kv*dh each) are cut into heads of dh numbers: view cuts within each
-        # token, whose numbers lie side by side; transpose then puts heads before tokens, as attention needs them.
+        # view(B, T, h, dh) cuts each token's h*dh numbers into h heads of dh, and transpose puts heads before tokens,
+        # as attention needs them. A reshape straight to (B, h, T, dh) would take token 0's head 1 for head 0's token 1.
         qkv = self.in_proj(x)                              # (B, T, d) -> (B, T, (h + 2kv) dh)
         q, k, v = qkv.split([h * dh, kv * dh, kv * dh], dim=-1)
         q = q.view(B, T, h, dh).transpose(1, 2)            # (B, T, h*dh) -> (B, T, h, dh) -> (B, h, T, dh)
