@@ -165,7 +165,7 @@ class CausalMHA(nn.Module):
         """x: (B, T, d) -> y: (B, T, d), or (y, attention weights (B, h, T, S)) with need_weights.
 
         With a cache, x holds only the new tokens: their keys and values are appended to the cache, and each attends
-        to all cached tokens and to the new ones up to itself. fused=True: attend_fused (often faster, no weights)."""
+        to all cached tokens and to the new ones up to itself. fused=True: PyTorch's fused call, attend_fused."""
         check_call(self, x, need_weights, cache, fused)    # a one-sentence error, before the cache is written
         B, T, _ = x.shape
         h, kv, dh = self.n_heads, self.n_kv_heads, self.d_head
@@ -201,7 +201,7 @@ def attend(q, k, v):
     never g copies of it. Nothing else changes: a row of q @ k^T comes from its own query row alone, and the
     softmax and p @ v work row by row, so each row gets what its own head would have: figures/stacking.png
     draws it on a toy, and section 3's last line checks it. To see it in a REPL:
-    q, k, v = torch.randn(1, 4, 2, 8), torch.randn(1, 2, 2, 8), torch.randn(1, 2, 2, 8)   # h=4, kv=2, T=2
+    q, k, v = torch.randn(1, 4, 3, 8), torch.randn(1, 2, 3, 8), torch.randn(1, 2, 3, 8)   # h=4, kv=2, T=3
     (attend(q, k, v)[0] - attend_textbook(q, k, v)[0]).abs().max()      # a few 1e-7: rounding, nothing more
     Bits: with g = 1 (MHA) nothing is stacked: nn.MultiheadAttention's operations in its order, the same bits.
     """
@@ -210,10 +210,10 @@ def attend(q, k, v):
     g = h // kv
     # Query heads are numbered group by group: heads j*g .. j*g + g - 1 all read K/V head j. Splitting h into
     # (kv, g), then merging g with T, stacks each group's g heads as the g*T rows of one block:
-    #     h=4, kv=2 (g=2), T=2:   block 0: q0t0 q0t1 q1t0 q1t1  -> all read k0, v0
-    #                             block 1: q2t0 q2t1 q3t0 q3t1  -> all read k1, v1
+    #     h=4, kv=2 (g=2), T=3:   block 0: q0t0 q0t1 q0t2 q1t0 q1t1 q1t2  -> all read k0, v0  (figures/stacking.png)
+    #                             block 1: q2t0 q2t1 q2t2 q3t0 q3t1 q3t2  -> all read k1, v1
     #     the demo's q (README):  (2, 8, 12, 32) -> (2, 4, 2, 12, 32) -> (8, 24, 32), 8 blocks of 24 rows
-    # q times sqrt(1 / dh) scales every score as the textbook's / sqrt(dh) does. Bits: PyTorch's order, its last bit.
+    # q * sqrt(1 / dh) scales every score as the textbook's / sqrt(dh) does. (Bits: scaling q first is PyTorch's order.)
     q = q.reshape(B, kv, g, T, dh)                         # (B, h, T, dh) -> (B, kv, g, T, dh): h = kv x g
     q = q.reshape(B * kv, g * T, dh) * math.sqrt(1.0 / dh)   # -> (B*kv, g*T, dh): block b*kv+j: sequence b, group j
     k = k.reshape(B * kv, S, dh)                           # (B, kv, S, dh) -> (B*kv, S, dh): one K, not g copies
@@ -226,23 +226,6 @@ def attend(q, k, v):
     o = torch.bmm(p, v)                                    # (B*kv, g*T, S) @ (B*kv, S, dh) -> (B*kv, g*T, dh)
     # o and p are new tensors (softmax, bmm), their rows in the stacked order drawn above: a view un-stacks them.
     return o.view(B, h, T, dh), p.view(B, h, T, S)         # (B*kv, g*T, ...) -> (B, h, T, dh), (B, h, T, S)
-
-
-def attend_fused(q, k, v):
-    """The same attention in one fused call, the one nn.MultiheadAttention(need_weights=False) makes on a float mask.
-
-    softmax(q k^T / sqrt(dh) + mask) v in one call, on attend's stacked rows, (B, kv, g*T, dh). It never stores
-    p, which often makes it faster, and can round differently from attend() in the last bit. A decode step (T = 1)
-    needs no mask: a single new token sees every key. Not SDPA's is_causal=True: that lets row i see keys 0 .. i,
-    wrong for the stacked rows after the first head's T, and with a cache (T < S) for every row, whose new token i sits
-    at S - T + i. For one head, causal_mask is PyTorch's torch.nn.attention.bias.causal_lower_right(T, S).
-    """
-    B, h, T, dh = q.shape
-    kv, S = k.shape[1], k.shape[2]
-    q = q.reshape(B, kv, (h // kv) * T, dh)                # (B, h, T, dh) -> (B, kv, g*T, dh), as in attend
-    mask = causal_mask(T, S, q.dtype).tile(h // kv, 1) if T > 1 else None     # (g*T, S), as in attend
-    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)   # (B, kv, g*T, dh); it scales by 1/sqrt(dh) itself
-    return o.reshape(B, h, T, dh)                          # (B, kv, g*T, dh) -> (B, h, T, dh)
 
 
 # ----------------------------------------------------------------------------- the KV cache, in bytes
@@ -283,6 +266,23 @@ def check_cache(n_kv_heads, seed):
 
 
 # ----------------------------------------------------------------------------- a second pass: checks against PyTorch
+def attend_fused(q, k, v):
+    """The same attention in one fused call, the one nn.MultiheadAttention(need_weights=False) makes on a float mask.
+
+    softmax(q k^T / sqrt(dh) + mask) v in one call, on attend's stacked rows, (B, kv, g*T, dh). It never stores
+    p, which often makes it faster, and can round differently from attend() in the last bit. A decode step (T = 1)
+    needs no mask: a single new token sees every key. Not SDPA's is_causal=True: that lets row i see keys 0 .. i,
+    wrong for the stacked rows after the first head's T, and with a cache (T < S) for every row, whose new token i sits
+    at S - T + i. For one head, causal_mask is PyTorch's torch.nn.attention.bias.causal_lower_right(T, S).
+    """
+    B, h, T, dh = q.shape
+    kv, S = k.shape[1], k.shape[2]
+    q = q.reshape(B, kv, (h // kv) * T, dh)                # (B, h, T, dh) -> (B, kv, g*T, dh), as in attend
+    mask = causal_mask(T, S, q.dtype).tile(h // kv, 1) if T > 1 else None     # (g*T, S), as in attend
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)   # (B, kv, g*T, dh); it scales by 1/sqrt(dh) itself
+    return o.reshape(B, h, T, dh)                          # (B, kv, g*T, dh) -> (B, h, T, dh)
+
+
 def from_torch(ref):
     """A CausalMHA (MHA) with the weights of an nn.MultiheadAttention(d, h, batch_first=True)."""
     check_copyable(ref)
@@ -770,8 +770,9 @@ def plot_decode_time(timing, problems):
     log_axes(left, contexts, [0.01, 0.1, 1, 10, 100])
     left.set_xlabel("cached context S (tokens)")
     left.set_ylabel("time per decode step (ms)")
-    left.set_title("measured, and its floor from the two rates measured beside it; a compute-bound\nfloor "
-                   "is the same for all four: the same FLOPs at the same matmul rate", fontsize=10)
+    shared = any(sum(timing.floor(kv, S)[1] != "memory" for kv in timing.steps) > 1 for S in contexts)
+    why = ";\ncompute-bound floors coincide: the same FLOPs at the same matmul rate" if shared else ""
+    left.set_title("measured, and its floor from the two rates measured beside it" + why, fontsize=10)
     left.legend(fontsize=7, ncol=2)
     roof = timing.ceilings(h, s_max)                       # MHA's, to place the words
     right.text(roof.ridge / 4, roof.flops / 1e9 / 2.2, "memory-bound:\nthe bytes decide", fontsize=8, ha="right")

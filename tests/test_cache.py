@@ -369,3 +369,11 @@ def test_cores_elsewhere_is_the_machine_s_busy_time_less_this_process_s(monkeypa
     assert mha.cores_elsewhere((0.0, 10.0, 2.0)) == 1.0
     assert mha.cores_elsewhere((0.0, 12.0, 1.0)) == 0.0          # all of it was this process's own
     assert mha.cores_elsewhere(None) == 0.0                       # not measurable: nothing is claimed
+
+
+def test_the_decode_figure_says_floors_coincide_only_where_two_are_compute_bound():
+    """The left panel explains coinciding floors only in a run where two of them are compute-bound."""
+    def title(ceilings):
+        return mha.plot_decode_time(fake_timing(ceilings), []).axes[0].get_title()
+    assert "coincide" not in title(mha.Ceilings(40e9, 640e9))    # ridge 16: MQA (16 FLOPs a byte) at it, alone
+    assert "coincide" in title(mha.Ceilings(40e9, 120e9))        # ridge 3: GQA-4 and MQA compute-bound
