@@ -10,9 +10,7 @@ Multi-head attention, and its grouped-query (GQA) and multi-query (MQA) variants
     against the textbook. On a second pass, 4: MHA with nn.MultiheadAttention's weights gives its output to the
     last bit (max difference 0.0) on a sequence, GQA/MQA to 2e-6; 5: a decode step's time against its floor.
 A first pass skips the sections headed "a second pass" and what follows "Bits:". After main(): helpers and plumbing.
-
 Not here: training and what GQA costs (quality.py), what may come after GQA (mla.py), dropout, padding, positions.
-
 Run:    python mha.py  (a few seconds; writes figures/)     python mha.py --n-kv-heads 2  (or edit N_KV_HEADS)
 Papers: Vaswani et al. 2017 (arXiv:1706.03762), Shazeer 2019 (1911.02150), Ainslie et al. 2023 (2305.13245).
 Shapes: B batch, T tokens in this call, d model width, h query heads, kv key/value heads, g = h / kv query
@@ -105,8 +103,8 @@ def attend_one_head(q, k, v):
 def attend_textbook(q, k, v):
     """attend_one_head on every head of every sequence at once, as textbooks write it; returns o and p.
 
-    q: (B, h, T, dh); k, v: (B, kv, S, dh). The same lines work: @ and transpose(-2, -1) act on the last two
-    dimensions and carry B and h along. For GQA each K/V head is first copied to the g query heads of its group:
+    q: (B, h, T, dh); k, v: (B, kv, S, dh). The same lines work: @, transpose(-2, -1) and the (T, S) mask act on
+    the last two dimensions and carry B and h along. For GQA each K/V head is first copied to its g query heads:
 
         query heads   q0  q1 | q2  q3          the same picture as k.repeat_interleave(g, dim=1),
         K/V heads       k0   |   k1            [k0, k0, k1, k1]; NOT k.repeat(1, g, 1, 1),
@@ -203,6 +201,8 @@ def attend(q, k, v):
     draws it on a toy, and section 3's last line checks it. To see it in a REPL:
     q, k, v = torch.randn(1, 4, 3, 8), torch.randn(1, 2, 3, 8), torch.randn(1, 2, 3, 8)   # h=4, kv=2, T=3
     (attend(q, k, v)[0] - attend_textbook(q, k, v)[0]).abs().max()      # a few 1e-7: rounding, nothing more
+    q = torch.arange(4.).view(1, 4, 1, 1).expand(1, 4, 3, 1)            # dh=1, each query its head's number
+    q.reshape(1, 2, 2, 3, 1).reshape(2, 6)   # as attend stacks them: block 0 = 0 0 0 1 1 1, block 1 = 2 2 2 3 3 3
     Bits: with g = 1 (MHA) nothing is stacked: nn.MultiheadAttention's operations in its order, the same bits.
     """
     B, h, T, dh = q.shape
@@ -782,7 +782,7 @@ def plot_decode_time(timing, problems):
     right.axvline(gpu_flops / gpu_bandwidth, color="gray", ls="--", lw=1,
                   label=f"{gpu_name} ridge: {gpu_flops / 1e12:.0f} TFLOP/s bf16 / {gpu_bandwidth / 1e12:.2f} TB/s"
                         f" = {gpu_flops / gpu_bandwidth:.0f} (a bf16 step: g FLOPs/byte)")
-    log_axes(right, [0.125, 1, 8, 64, 512], [1, 10, 100, 1000])
+    log_axes(right, sorted({0.125, 64, 512, *(h / kv / 2 for kv in timing.steps)}), [1, 10, 100, 1000])   # at the dots
     right.set_xlabel("arithmetic intensity (FLOPs per byte read)")
     right.set_ylabel("GFLOP/s")
     right.set_title(f"Each configuration's roofline (its own read rate; the four nearly coincide),\n"

@@ -161,6 +161,22 @@ def test_attends_repl_example_runs_and_agrees_with_the_textbook():
     assert worst <= 2e-6, worst                          # rounding only: within the file's tolerance for GQA
 
 
+def test_attends_repl_lines_show_the_stacked_order(monkeypatch):
+    """The docstring's next two lines, run as written, give the blocks its comment states, and those are the
+    rows attend stacks: each block holds its group's heads, head after head."""
+    lines = mha.attend.__doc__.split("To see it in a REPL:")[1].strip().splitlines()[2:4]
+    scope = {"torch": torch}
+    exec(lines[0].split("#")[0].strip(), scope)            # noqa: S102 (the docstring's own line, as a doctest would)
+    blocks = eval(lines[1].split("#")[0].strip(), scope)
+    said = [[float(n) for n in part.split("=")[1].split()] for part in lines[1].split("#")[1].split(",")]
+    assert blocks.tolist() == said == [[0, 0, 0, 1, 1, 1], [2, 2, 2, 3, 3, 3]]
+    seen = []
+    real_baddbmm = torch.baddbmm
+    monkeypatch.setattr(torch, "baddbmm", lambda mask, q, k: seen.append(q) or real_baddbmm(mask, q, k))
+    mha.attend(scope["q"], torch.zeros(1, 2, 3, 1), torch.zeros(1, 2, 3, 1))
+    assert torch.equal(seen[0][:, :, 0], blocks)           # attend's own stacked q (dh = 1: scaled by 1)
+
+
 def test_the_one_head_repl_example_is_the_readmes_by_hand():
     """attend_one_head's docstring lines, run as written, give the README's hand-worked (0.80, 0.60) and the
     printed digits; the README's weights (0.40, 0.20, 0.40) are p's row."""

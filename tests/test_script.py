@@ -91,6 +91,9 @@ def test_readme_prose_quotes_the_quoted_decode_table():
     prose = " ".join(readme.split())
     assert len(reaches) == 4
     assert f"MQA ran {speedup} times as fast as MHA, and each step ran at {min(reaches)} to {max(reaches)} % of" in prose
+    mqa = next(line for line in quoted.split("5. Decode step")[1].splitlines() if line.startswith("   MQA "))
+    assert "MQA's floor is not 32 times below MHA's: its FLOPs, which do not shrink, set it." in prose
+    assert mqa.split()[4] == "compute", mqa                # what that sentence says of the quoted run
 
 
 def test_readme_shapes_are_the_demo_forwards(monkeypatch):
