@@ -198,7 +198,7 @@ def attend(q, k, v):
     The g query heads of a group are stacked as the g*T rows of one "head", which reads its K/V head once,
     never g copies of it. Nothing else changes: a row of q @ k^T comes from its own query row alone, and the
     softmax and p @ v work row by row, so each row gets what its own head would have: figures/stacking.png
-    draws it on a toy, and section 3's last line checks it. To see it in a REPL:
+    draws it on a toy, and section 3's last line checks it. To see it in a REPL (from mha import *):
     q, k, v = torch.randn(1, 4, 3, 8), torch.randn(1, 2, 3, 8), torch.randn(1, 2, 3, 8)   # h=4, kv=2, T=3
     (attend(q, k, v)[0] - attend_textbook(q, k, v)[0]).abs().max()      # a few 1e-7: rounding, nothing more
     q = torch.arange(4.).view(1, 4, 1, 1).expand(1, 4, 3, 1)            # dh=1, each query its head's number
@@ -380,7 +380,7 @@ def run_checks(n_kv_heads, seed):
     # A check that cannot fail proves nothing: a wrong copy must exceed the batch line's tolerance, not only 0.
     broken, _ = max_diff_vs_torch(swap_query_heads(from_torch(ref), 0, 1), x, ref)
     print(f"  {'on purpose: query heads 0 and 1 swapped in the copy':<52} = {broken:.2e}  "
-          f"{'FAIL, as it must' if broken > 2e-6 else 'NOT DETECTED'}  (tolerance 2e-06)")
+          f"{'DETECTED, as it must be' if broken > 2e-6 else 'NOT DETECTED'}  (must exceed 2e-06)")
     return ok and broken > 2e-6
 
 
@@ -441,7 +441,7 @@ def main(argv=None):
     problems = timing_contradictions(timing)              # timings that contradict each other: a busy machine
     print_decode_table(timing, problems)
 
-    figures = [plot_attention_maps(kv, args.seed), plot_cache_sizes(), plot_head_layout(kv), plot_stacking(),
+    figures = [plot_attention_maps(kv, args.seed), plot_cache_sizes(kv), plot_head_layout(kv), plot_stacking(),
                plot_decode_time(timing, problems)]                  # in the order of FIGURES, their file names
     if not write_figures("mha.py", args.out_dir, {name: png_bytes(fig) for name, fig in zip(FIGURES, figures)}):
         return 1
@@ -498,6 +498,12 @@ def relative_diff(a, b):
 
 
 # ----------------------------------------------------------------------------- the cache tables
+def same_g_row(n_kv_heads):
+    """The K/V heads of the Llama-shape row whose g is the demo's (GQA-16 for the default), or None if none is."""
+    g = N_HEADS // n_kv_heads
+    return LLAMA_HEADS // g if LLAMA_HEADS % g == 0 else None
+
+
 def llama_cache_bytes(n_kv_heads, tokens=CACHE_TOKENS):
     """The cache of the Llama-7B shape of the knobs with n_kv_heads K/V heads, batch 1."""
     return kv_cache_bytes(LLAMA_LAYERS, n_kv_heads, LLAMA_D_HEAD, tokens, bytes_per_elem=CACHE_BYTES_PER_ELEM)
@@ -511,7 +517,7 @@ def print_cache_tables(n_kv_heads):
     mha_bytes = llama_cache_bytes(LLAMA_HEADS)
     print(f"   GB = 1e9 bytes: MHA's {mha_bytes:,} bytes are {mha_bytes / 1e9:.2f} GB but {mha_bytes / 2**30:.2f} GiB")
     g = N_HEADS // n_kv_heads                              # query heads per K/V head in the demo
-    same_g = LLAMA_HEADS // g if LLAMA_HEADS % g == 0 else None   # the Llama row with the demo's g
+    same_g = same_g_row(n_kv_heads)                        # the Llama row with the demo's g
     rows = set(LLAMA_KV_HEADS) if same_g is None else set(LLAMA_KV_HEADS) | {same_g}
     print("   shrink = h / kv = g, the query heads per K/V head; GQA-N is named by its N K/V heads, not by g")
     print(f"   {'config':<8}{'n_kv_heads':>11}{'KV cache':>11}{'shrink':>8}")
@@ -656,21 +662,26 @@ def plot_attention_maps(n_kv_heads, seed):
     return fig
 
 
-def plot_cache_sizes():
-    """KV-cache GB of the Llama-7B shape per configuration, against context, each labelled at CACHE_TOKENS."""
+def plot_cache_sizes(n_kv_heads):
+    """KV-cache GB of the Llama-7B shape per row of section 1's table, against context, labelled at CACHE_TOKENS."""
     fig = new_figure(8, 4.8)
     ax = fig.subplots()
     fig.subplots_adjust(left=0.1, right=0.97, bottom=0.12, top=0.86)
     context = [2 ** i for i in range(9, 18)]               # 512 .. 131072 tokens
-    for i, kv in enumerate(LLAMA_KV_HEADS):
+    same_g = same_g_row(n_kv_heads)                        # section 1's extra row, if any
+    rows = set(LLAMA_KV_HEADS) if same_g is None else set(LLAMA_KV_HEADS) | {same_g}
+    for kv in sorted(rows, reverse=True):
+        i = LLAMA_KV_HEADS.index(kv) if kv in LLAMA_KV_HEADS else len(LLAMA_KV_HEADS)   # MHA C0, ..., as elsewhere
         kind, at = attention_kind(LLAMA_HEADS, kv), llama_cache_bytes(kv) / 1e9
+        mine = f", g = {N_HEADS // n_kv_heads} as in your demo" if kv == same_g else ""
         ax.plot(context, [llama_cache_bytes(kv, S) / 1e9 for S in context], marker="o", ms=3, color=f"C{i}",
-                label=f"{kind} ({kv} K/V heads): {at:.2f} GB at {CACHE_TOKENS} tokens")
+                label=f"{kind} ({kv} K/V heads{mine}): {at:.2f} GB at {CACHE_TOKENS} tokens")
         ax.plot([CACHE_TOKENS], [at], "s", ms=8, color=f"C{i}")
     ax.axhline(GPU_CACHE_GB, color="gray", ls="--", lw=1)
     ax.text(context[0], GPU_CACHE_GB * 1.15, f"{GPU_CACHE_GB} GB of GPU memory set aside for the cache", fontsize=8,
             color="gray")
-    log_axes(ax, context[::2], [0.01, 0.1, 1, 10, 100])
+    log_axes(ax, context[::2], [0.001, 0.01, 0.1, 1, 10, 100])
+    ax.set_ylim(0.001, 150)                                # room for the legend under the MQA line
     ax.set_xlabel("context length (tokens)")
     ax.set_ylabel("KV cache per request (GB, 1 GB = 1e9 bytes)")
     ax.legend(fontsize=8, loc="lower right")
@@ -741,8 +752,8 @@ def plot_stacking():
              f"attend, block {j}: q{j * g} and q{j * g + 1}\nread k{j} once; the mask tiled")
         ax.axhline(T - 0.5, color="white", lw=2)           # where the block's second query head begins
     fig.suptitle(f"How attend stacks a group (a toy: h={h} query heads, kv={kv} K/V heads, g={g}, T=S={T}): the "
-                 "same weights p, left one (T, S)\nblock per query head, K/V copied; right one (g*T, S) block per "
-                 "K/V head, read once. Grey: a future key, -inf in the mask, weight 0", fontsize=10)
+                 "same weights p to rounding, left one\n(T, S) block per query head, K/V copied; right one (g*T, S) "
+                 "block per K/V head, read once. Grey: a future key, -inf in the mask, weight 0", fontsize=10)
     return fig
 
 

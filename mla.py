@@ -270,7 +270,7 @@ def run_checks(seed):
           f"{'OK' if n == want else 'FAIL'}")
     broken = rope_before_absorption_gap(attn64, x64)
     print(f"  {'on purpose: RoPE on the content keys, then absorbed':<52} = {broken:.2e}  "
-          f"{'FAIL, as it must' if broken > 1e-3 else 'NOT DETECTED'}")
+          f"{'DETECTED, as it must be' if broken > 1e-3 else 'NOT DETECTED'}  (must exceed 1e-03)")
     return ok and n == want and broken > 1e-3
 
 

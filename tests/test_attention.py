@@ -151,7 +151,7 @@ def test_attend_is_the_textbook_without_the_copies(T, S):
 
 def test_attends_repl_example_runs_and_agrees_with_the_textbook():
     """The two lines attend's docstring offers for a REPL, run as written, on 50 seeds: rounding only."""
-    lines = mha.attend.__doc__.split("To see it in a REPL:")[1].strip().splitlines()[:2]
+    lines = mha.attend.__doc__.split("To see it in a REPL (from mha import *):")[1].strip().splitlines()[:2]
     worst = 0.0
     for seed in range(50):
         torch.manual_seed(seed)
@@ -164,7 +164,7 @@ def test_attends_repl_example_runs_and_agrees_with_the_textbook():
 def test_attends_repl_lines_show_the_stacked_order(monkeypatch):
     """The docstring's next two lines, run as written, give the blocks its comment states, and those are the
     rows attend stacks: each block holds its group's heads, head after head."""
-    lines = mha.attend.__doc__.split("To see it in a REPL:")[1].strip().splitlines()[2:4]
+    lines = mha.attend.__doc__.split("To see it in a REPL (from mha import *):")[1].strip().splitlines()[2:4]
     scope = {"torch": torch}
     exec(lines[0].split("#")[0].strip(), scope)            # noqa: S102 (the docstring's own line, as a doctest would)
     blocks = eval(lines[1].split("#")[0].strip(), scope)

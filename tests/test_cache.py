@@ -377,3 +377,14 @@ def test_the_decode_figure_says_floors_coincide_only_where_two_are_compute_bound
         return mha.plot_decode_time(fake_timing(ceilings), []).axes[0].get_title()
     assert "coincide" not in title(mha.Ceilings(40e9, 640e9))    # ridge 16: MQA (16 FLOPs a byte) at it, alone
     assert "coincide" in title(mha.Ceilings(40e9, 120e9))        # ridge 3: GQA-4 and MQA compute-bound
+
+
+def test_the_cache_figure_draws_the_rows_of_section_1(capsys):
+    """kv_cache_size.png has a line per row of section 1's table, the demo's g marked in both, for any knob."""
+    for n_kv_heads in (4, 2, 1, 8):
+        mha.print_cache_tables(n_kv_heads)
+        table = capsys.readouterr().out.split("shrink\n")[1].split("\n\n")[0].splitlines()
+        labels = [t.get_text() for t in mha.plot_cache_sizes(n_kv_heads).axes[0].get_legend().get_texts()]
+        assert [line.split()[0] for line in table] == [label.split()[0] for label in labels], n_kv_heads
+        assert [("<- g =" in line) for line in table] == [("as in your demo" in label) for label in labels]
+        assert sum("as in your demo" in label for label in labels) == 1

@@ -397,7 +397,7 @@ def default_run():
 def test_default_run_prints_every_check(default_run):
     r = default_run
     assert r.returncode == 0 and r.stderr == "", r.stderr
-    assert r.stdout.count("  OK  (tolerance") == 5 and "FAIL, as it must" in r.stdout
+    assert r.stdout.count("  OK  (tolerance") == 5 and "DETECTED, as it must be" in r.stdout
     assert "512-token cache: 294,912 bytes allocated, 294,912 by the formula" in r.stdout
     assert "latent_cache_bytes(60, 512, 64, 4096)\n   = 283,115,520 bytes = 0.28 GB, against 16.1 GB" in r.stdout
     assert "   DeepSeek-V2           60  128  16.11 GB  1.01 GB  0.13 GB   0.28 GB       20.13 GB       56.9x" in r.stdout

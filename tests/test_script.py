@@ -37,7 +37,7 @@ def test_default_run_prints_the_evidence(two_runs):
     for start in ["MHA   written out vs nn.MHA(need_weights=True)", "MHA   the same, per-head weights",
                   "MHA   fused vs nn.MHA(need_weights=False)"]:
         assert line_with(out, start).endswith("= 0.00e+00  OK  (must be exactly 0)"), start
-    assert "FAIL, as it must" in out and "NOT DETECTED" not in out
+    assert "DETECTED, as it must be" in out and "NOT DETECTED" not in out
     for row in ["MHA              32    2.15 GB      1x", "MQA               1    0.07 GB     32x",
                 ("GQA-16           16    1.07 GB      2x   <- g = 2, as in your demo: its 8 query heads over 4, "
                  "this row's 32 over 16"),
@@ -92,7 +92,7 @@ def test_readme_prose_quotes_the_quoted_decode_table():
     assert len(reaches) == 4
     assert f"MQA ran {speedup} times as fast as MHA, and each step ran at {min(reaches)} to {max(reaches)} % of" in prose
     mqa = next(line for line in quoted.split("5. Decode step")[1].splitlines() if line.startswith("   MQA "))
-    assert "MQA's floor is not 32 times below MHA's: its FLOPs, which do not shrink, set it." in prose
+    assert "MQA's floor is not 32 times below MHA's here: at 16 FLOPs per byte it lies above this CPU's ridge" in prose
     assert mqa.split()[4] == "compute", mqa                # what that sentence says of the quoted run
 
 
@@ -472,8 +472,8 @@ def test_a_closed_or_full_stdout_is_one_line(tmp_path, stdout, words):
 
 def test_a_planted_bug_that_changes_nothing_is_not_detected(monkeypatch, capsys):
     """The on-purpose line must fail beyond rounding: a 'swap' that swaps nothing leaves only the batch's own
-    rounding (about 2e-7), which must read NOT DETECTED and fail the checks, not 'FAIL, as it must'."""
+    rounding (about 2e-7), which must read NOT DETECTED and fail the checks, not 'DETECTED, as it must be'."""
     monkeypatch.setattr(mha, "swap_query_heads", lambda attn, i, j: attn)
     assert not mha.run_checks(4, 0)
     out = capsys.readouterr().out
-    assert "NOT DETECTED" in out and "as it must" not in out
+    assert "NOT DETECTED" in out and "as it must be" not in out
