@@ -477,3 +477,17 @@ def test_a_planted_bug_that_changes_nothing_is_not_detected(monkeypatch, capsys)
     assert not mha.run_checks(4, 0)
     out = capsys.readouterr().out
     assert "NOT DETECTED" in out and "as it must be" not in out
+
+
+def test_the_readmes_first_pass_names_what_comes_before_the_second_pass():
+    """The README's first pass lists every function and class mha.py defines before its first section headed
+    'a second pass', and main(); a function moved or renamed without the README fails this."""
+    import re
+    readme, _ = readme_output()
+    route = " ".join(readme.split("**How to read it.**")[1].split("\n\n")[0].split())
+    named = re.findall(r"`(\w+)(?:\(\))?`", route.split("A first pass reads")[1].split("It skips")[0])
+    with open(os.path.join(ROOT, "mha.py")) as f:
+        source = f.read()
+    first = source.split("\n# ----------------------------------------------------------------------------- a second pass")[0]
+    defined = re.findall(r"^(?:def|class) (\w+)", first, flags=re.MULTILINE)
+    assert sorted(named) == sorted(defined + ["main"]), (named, defined)
