@@ -498,10 +498,12 @@ def relative_diff(a, b):
 
 
 # ----------------------------------------------------------------------------- the cache tables
-def same_g_row(n_kv_heads):
-    """The K/V heads of the Llama-shape row whose g is the demo's (GQA-16 for the default), or None if none is."""
+def llama_rows(n_kv_heads):
+    """(section 1's K/V heads, most first; the one whose g is the demo's, GQA-16's 16 by default, or None)."""
     g = N_HEADS // n_kv_heads
-    return LLAMA_HEADS // g if LLAMA_HEADS % g == 0 else None
+    same_g = LLAMA_HEADS // g if LLAMA_HEADS % g == 0 else None
+    rows = set(LLAMA_KV_HEADS) if same_g is None else set(LLAMA_KV_HEADS) | {same_g}
+    return sorted(rows, reverse=True), same_g
 
 
 def llama_cache_bytes(n_kv_heads, tokens=CACHE_TOKENS):
@@ -517,11 +519,10 @@ def print_cache_tables(n_kv_heads):
     mha_bytes = llama_cache_bytes(LLAMA_HEADS)
     print(f"   GB = 1e9 bytes: MHA's {mha_bytes:,} bytes are {mha_bytes / 1e9:.2f} GB but {mha_bytes / 2**30:.2f} GiB")
     g = N_HEADS // n_kv_heads                              # query heads per K/V head in the demo
-    same_g = same_g_row(n_kv_heads)                        # the Llama row with the demo's g
-    rows = set(LLAMA_KV_HEADS) if same_g is None else set(LLAMA_KV_HEADS) | {same_g}
+    rows, same_g = llama_rows(n_kv_heads)                  # same_g: the Llama row with the demo's g
     print("   shrink = h / kv = g, the query heads per K/V head; GQA-N is named by its N K/V heads, not by g")
     print(f"   {'config':<8}{'n_kv_heads':>11}{'KV cache':>11}{'shrink':>8}")
-    for kv in sorted(rows, reverse=True):
+    for kv in rows:
         n = llama_cache_bytes(kv)
         note = (f"   <- g = {g}, as in your demo: its {N_HEADS} query heads over {n_kv_heads}, "
                 f"this row's {LLAMA_HEADS} over {kv}")
@@ -668,9 +669,8 @@ def plot_cache_sizes(n_kv_heads):
     ax = fig.subplots()
     fig.subplots_adjust(left=0.1, right=0.97, bottom=0.12, top=0.86)
     context = [2 ** i for i in range(9, 18)]               # 512 .. 131072 tokens
-    same_g = same_g_row(n_kv_heads)                        # section 1's extra row, if any
-    rows = set(LLAMA_KV_HEADS) if same_g is None else set(LLAMA_KV_HEADS) | {same_g}
-    for kv in sorted(rows, reverse=True):
+    rows, same_g = llama_rows(n_kv_heads)                  # section 1's rows, its extra one among them
+    for kv in rows:
         i = LLAMA_KV_HEADS.index(kv) if kv in LLAMA_KV_HEADS else len(LLAMA_KV_HEADS)   # MHA C0, ..., as elsewhere
         kind, at = attention_kind(LLAMA_HEADS, kv), llama_cache_bytes(kv) / 1e9
         mine = f", g = {N_HEADS // n_kv_heads} as in your demo" if kv == same_g else ""
