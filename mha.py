@@ -89,7 +89,7 @@ def attend_one_head(q, k, v):
     the T newest last. A query scores every key by a dot product: a sum of dh products of independent numbers
     of mean 0 and standard deviation 1 has standard deviation sqrt(dh), and dividing by it keeps the softmax
     from saturating (one weight near 1, the rest near 0). The softmax turns a query's scores into weights p
-    that sum to 1; its output o is the weighted average of the values. The README's example by hand, in a REPL:
+    that sum to 1; o is the values' average, weighted by p. The README's example, in a REPL (from mha import *):
     k = torch.tensor([[1., 0.], [0., 1.], [1., 1.]])       # (S, dh) = (3, 2): the keys, also the values
     q = torch.tensor([[1., 0.], [1., 0.], [1., 0.]])       # (T, dh) = (3, 2): every query (1, 0)
     attend_one_head(q, k, k)[0][2]                         # token 2: tensor([0.8022, 0.5989])

@@ -190,7 +190,7 @@ class LatentAttention(nn.Module):
     # hold h d dc = 335M numbers per layer, against 92M for the two.
 
     def new_cache(self, batch, max_len):
-        """An empty LatentCache for `batch` sequences of up to `max_len` tokens, on the weights' device, in their dtype."""
+        """An empty LatentCache for `batch` sequences of up to `max_len` tokens, in the weights' dtype and device."""
         mha.check_counts([("batch", batch, 1), ("max_len", max_len, 1)])   # (B, max_len, dc), (B, max_len, dr)
         w = self.w_dkv.weight
         return LatentCache(*(torch.zeros(batch, max_len, width, dtype=w.dtype, device=w.device)

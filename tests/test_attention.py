@@ -180,7 +180,7 @@ def test_attends_repl_lines_show_the_stacked_order(monkeypatch):
 def test_the_one_head_repl_example_is_the_readmes_by_hand():
     """attend_one_head's docstring lines, run as written, give the README's hand-worked (0.80, 0.60) and the
     printed digits; the README's weights (0.40, 0.20, 0.40) are p's row."""
-    lines = mha.attend_one_head.__doc__.split("in a REPL:")[1].strip().splitlines()[:3]
+    lines = mha.attend_one_head.__doc__.split("in a REPL (from mha import *):")[1].strip().splitlines()[:3]
     scope = {"torch": torch, "attend_one_head": mha.attend_one_head}
     for line in lines[:2]:                                 # k = ..., q = ...
         exec(line.split("#")[0].strip(), scope)            # noqa: S102 (the docstring's own line, as a doctest would)
