@@ -35,6 +35,7 @@ import statistics
 import sys
 import threading
 import time
+from datetime import timedelta
 
 import torch
 import torch.nn.functional as F
@@ -132,9 +133,8 @@ class CharLM(nn.Module):
         self.blocks = nn.ModuleList(Block(n_kv_heads) for _ in range(N_LAYERS))
         self.ln = nn.LayerNorm(D_MODEL)
         self.readout = nn.Linear(D_MODEL, vocab)
-        with torch.no_grad():
-            self.embed.weight.normal_(0.0, 0.02)
-            self.pos.normal_(0.0, 0.02)
+        nn.init.normal_(self.embed.weight, 0.0, 0.02)
+        nn.init.normal_(self.pos, 0.0, 0.02)
 
     def forward(self, x, need_weights=False):
         """x: (B, T) character ids -> logits (B, T, V), and with need_weights each layer's (B, h, T, T)."""
@@ -345,7 +345,7 @@ def print_table_a(scratch, steps):
                 for n in tested_in_order() if len(scratch[n]) > 1}
     print("   what pairing buys: the sd of the paired differences, against sqrt(sd_MHA^2 + sd^2) over the same seeds, "
           "the sd\n   of unpaired ones: " + ", ".join(f"{n} {statistics.stdev(gaps(scratch, n)):.3f} against {u:.3f}"
-                                                  for n, u in unpaired.items()))
+                                                  for n, u in unpaired.items()), flush=True)
 
 
 # ----------------------------------------------------------------------------- B. conversion
@@ -451,8 +451,7 @@ def strongest(roles, chance, layer, head):
 
 
 def print_table_c(roles, chance, seed):
-    prev = roles["previous"]
-    layer, head = divmod(int(prev.argmax()), N_HEADS)
+    best = divmod(int(roles["previous"].argmax()), N_HEADS)
     print(f"\nC. What each head of the trained MHA attends to (seed {seed}): mean attention on each kind of key, over "
           f"{EVAL_WINDOWS * CONTEXT:,}\n   validation characters. 'uniform' attends to every key so far alike; "
           "'favours most' is the kind of key, of\n   these four, with the largest multiple of that uniform level")
@@ -463,8 +462,9 @@ def print_table_c(roles, chance, seed):
             top, ratio = strongest(roles, chance, i, j)
             print(f"   {i:>5}{j:>5}" + "".join(f"{roles[r][i, j].item():>11.0%} " for r in roles)
                   + f"  {top}, {ratio:.1f}x uniform")
-    print(f"   most previous-character-like: {layer}.{head}, {prev[layer, head]:.0%} on the previous character")
-    return layer, head
+    print(f"   most previous-character-like: {best[0]}.{best[1]}, {roles['previous'][best]:.0%} on the previous "
+          "character")
+    return best
 
 
 # ----------------------------------------------------------------------------- D. head ablation
@@ -504,7 +504,7 @@ def heads_that_can_go(curve):
     return over[0] - 1 if over else len(curve) - 1
 
 
-def print_table_d(ablation, roles, chance, seed):
+def print_table_d(ablation, roles, chance, seed, best):
     alone, order, curve = ablation
     heads, rise = list(alone), {hd: alone[hd].mean().item() for hd in alone}
     rank = {hd: k + 1 for k, hd in enumerate(sorted(heads, key=rise.get, reverse=True))}
@@ -527,8 +527,7 @@ def print_table_d(ablation, roles, chance, seed):
     can_go = heads_that_can_go(curve)
     print(f"   {can_go} of {len(heads)} heads can go before the loss rises by more than {PRUNE_LIMIT} bits/char"
           + (f"; the next takes it to {curve[can_go + 1] - curve[0]:+.3f}" if can_go < len(curve) - 1 else ""))
-    layer, head = divmod(int(roles["previous"].argmax()), N_HEADS)
-    print(f"   does C predict D? the most previous-character-like head ({layer}.{head}) ranks {rank[layer, head]} of "
+    print(f"   does C predict D? the most previous-character-like head ({best[0]}.{best[1]}) ranks {rank[best]} of "
           f"{len(heads)}, and the roles above are labels from four\n   kinds of key: 16 heads cannot show whether "
           "a role ranks importance")
 
@@ -640,7 +639,6 @@ def train_everything(args, run):
           "the same numbers to the bit, whatever the number of workers", flush=True)
     scratch = run_from_scratch(args.seeds, args.steps, run)
     print_table_a(scratch, args.steps)
-    sys.stdout.flush()
     curves, ablation = run_conversion(scratch, args.steps, run, args.seeds[:GQA_SEEDS])
     print_table_b(curves, scratch, args.steps)
     return scratch, ablation, data
@@ -668,7 +666,7 @@ def main(argv=None):
     seed, trained = args.seeds[0], scratch["MHA"][args.seeds[0]][0]
     roles, chance = head_roles(trained, data)
     best = print_table_c(roles, chance, seed)
-    print_table_d(ablation, roles, chance, seed)
+    print_table_d(ablation, roles, chance, seed, best)
     figures = [plot_quality(scratch, args.steps, ablation, roles, chance, seed),
                plot_trained_maps(trained, data, seed, args.steps, best)]
     if not mha.write_figures("quality.py", args.out_dir, {n: mha.png_bytes(f) for n, f in zip(FIGURES, figures)}):
@@ -701,8 +699,9 @@ def workers(total):
             done, seconds = done + futures[future], time.perf_counter() - start
             if seconds - shown[0] > 10 or shown[1] < done == total:   # a line at most every 10 s, and the last
                 shown = seconds, done
-                print(f"{part}: {done:,} of {total:,} training steps, {clock(seconds)} so far, "
-                      f"~{clock(seconds / max(done, 1) * (total - done))} left", file=sys.stderr, flush=True)
+                left = seconds / max(done, 1) * (total - done)
+                print(f"{part}: {done:,} of {total:,} training steps, {timedelta(seconds=round(seconds))} so far, "
+                      f"~{timedelta(seconds=round(left))} left", file=sys.stderr, flush=True)
         return [future.result() for future in futures]
 
     try:
@@ -713,11 +712,6 @@ def workers(total):
         raise
     finally:
         pool.shutdown(cancel_futures=True)
-
-
-def clock(seconds):
-    """clock(75.3) == '1:15'."""
-    return f"{int(seconds) // 60}:{int(seconds) % 60:02d}"
 
 
 def parse_args(argv=None):

@@ -105,7 +105,7 @@ def test_tiny_run_prints_the_estimate_four_tables_with_intervals_and_writes_two_
     r, out_dir = tiny_run
     assert r.returncode == 0, r.stderr
     assert "Traceback" not in r.stderr and "\r" not in r.stderr
-    assert re.fullmatch(r"B\. conversion: (\d+) of \1 training steps, 0:\d\d so far, ~0:00 left",
+    assert re.fullmatch(r"B\. conversion: (\d+) of \1 training steps, 0:0\d:\d\d so far, ~0:00:00 left",
                         r.stderr.strip().splitlines()[-1])
     out = r.stdout
     assert out.startswith("This run: ") and " min on a quiet 2-core AMD EPYC" in out.splitlines()[0]
@@ -532,10 +532,6 @@ def test_learning_rate_schedule():
     assert lrs[-1] == pytest.approx(quality.MIN_LR * quality.LR)
     assert all(a >= b for a, b in zip(lrs[warm:], lrs[warm + 1:]))
     assert quality.lr_at(0, 1) > 0
-
-
-def test_clock():
-    assert quality.clock(75.3) == "1:15" and quality.clock(0) == "0:00" and quality.clock(600) == "10:00"
 
 
 # ----------------------------------------------------------------------------- to_gqa (MHA -> GQA conversion)
