@@ -147,7 +147,7 @@ class CausalMHA(nn.Module):
 
     One input projection makes q, k and v. Its weight has a row per output number: every query head, then
     every key head, then every value head, dh rows each: with kv == h exactly nn.MultiheadAttention's in_proj_weight.
-    forward calls attend(), defined next: what attend_textbook computes, without copying K/V heads.
+    forward calls attend() (the second pass opens with it): what attend_textbook computes, without copying K/V heads.
     """
 
     def __init__(self, d_model, n_heads, n_kv_heads=None, bias=True):
@@ -192,42 +192,6 @@ class CausalMHA(nn.Module):
         return KVCache(torch.zeros(shape, **like), torch.zeros(shape, **like))
 
 
-def attend(q, k, v):
-    """attend_textbook without the copies (shapes as there): CausalMHA's default path, timed in section 5.
-
-    The g query heads of a group are stacked as the g*T rows of one "head", which reads its K/V head once,
-    never g copies of it. Nothing else changes: a row of q @ k^T comes from its own query row alone, and the
-    softmax and p @ v work row by row, so each row gets what its own head would have: figures/stacking.png
-    draws it on a toy, and section 3's last line checks it. To see it in a REPL (from mha import *):
-    q, k, v = torch.randn(1, 4, 3, 8), torch.randn(1, 2, 3, 8), torch.randn(1, 2, 3, 8)   # h=4, kv=2, T=3
-    (attend(q, k, v)[0] - attend_textbook(q, k, v)[0]).abs().max()      # a few 1e-7: rounding, nothing more
-    q = torch.arange(4.).view(1, 4, 1, 1).expand(1, 4, 3, 1)            # dh=1, each query its head's number
-    q.reshape(1, 2, 2, 3, 1).reshape(2, 6)   # as attend stacks them: block 0 = 0 0 0 1 1 1, block 1 = 2 2 2 3 3 3
-    Bits: with g = 1 (MHA) nothing is stacked: nn.MultiheadAttention's operations in its order, the same bits.
-    """
-    B, h, T, dh = q.shape
-    kv, S = k.shape[1], k.shape[2]
-    g = h // kv
-    # Query heads are numbered group by group: heads j*g .. j*g + g - 1 all read K/V head j. Splitting h into
-    # (kv, g), then merging g with T, stacks each group's g heads as the g*T rows of one block:
-    #     h=4, kv=2 (g=2), T=3:   block 0: q0t0 q0t1 q0t2 q1t0 q1t1 q1t2  -> all read k0, v0  (figures/stacking.png)
-    #                             block 1: q2t0 q2t1 q2t2 q3t0 q3t1 q3t2  -> all read k1, v1
-    #     the demo's q (README):  (2, 8, 12, 32) -> (2, 4, 2, 12, 32) -> (8, 24, 32), 8 blocks of 24 rows
-    # q * sqrt(1 / dh) scales every score as the textbook's / sqrt(dh) does. (Bits: scaling q first is PyTorch's order.)
-    q = q.reshape(B, kv, g, T, dh)                         # (B, h, T, dh) -> (B, kv, g, T, dh): h = kv x g
-    q = q.reshape(B * kv, g * T, dh) * math.sqrt(1.0 / dh)   # -> (B*kv, g*T, dh): block b*kv+j: sequence b, group j
-    k = k.reshape(B * kv, S, dh)                           # (B, kv, S, dh) -> (B*kv, S, dh): one K, not g copies
-    v = v.reshape(B * kv, S, dh)                           # (B, kv, S, dh) -> (B*kv, S, dh)
-    # Each head's T rows need the same (T, S) mask, whichever head: tile stacks g copies, one per head of a block.
-    mask = causal_mask(T, S, q.dtype).tile(g, 1)           # (T, S) -> (g*T, S)
-    # bmm: one matrix product per block of the stack, so its K/V head is read once for all g query heads.
-    scores = torch.baddbmm(mask, q, k.transpose(1, 2))     # baddbmm(M, X, Y) = M + X @ Y, each block: (B*kv, g*T, S)
-    p = scores.softmax(dim=-1)                             # (B*kv, g*T, S): each row sums to 1
-    o = torch.bmm(p, v)                                    # (B*kv, g*T, S) @ (B*kv, S, dh) -> (B*kv, g*T, dh)
-    # o and p are new tensors (softmax, bmm), their rows in the stacked order drawn above: a view un-stacks them.
-    return o.view(B, h, T, dh), p.view(B, h, T, S)         # (B*kv, g*T, ...) -> (B, h, T, dh), (B, h, T, S)
-
-
 # ----------------------------------------------------------------------------- the KV cache, in bytes
 def kv_cache_bytes(n_layers, n_kv_heads, d_head, seq_len, batch=1, bytes_per_elem=2):
     """Bytes of the KV cache: 2 (K and V) x layers x K/V heads x dh x tokens x batch x bytes per number.
@@ -265,7 +229,43 @@ def check_cache(n_kv_heads, seed):
     return ok & report(f"{attention_kind(N_HEADS, n_kv_heads):<5} max |attend - textbook|, K/V copied", textbook, 2e-6)
 
 
-# ----------------------------------------------------------------------------- a second pass: checks against PyTorch
+# ----------------------------------------------------------------------------- a second pass: attend, checks vs PyTorch
+def attend(q, k, v):
+    """attend_textbook without the copies (shapes as there): CausalMHA's default path, timed in section 5.
+
+    The g query heads of a group are stacked as the g*T rows of one "head", which reads its K/V head once,
+    never g copies of it. Nothing else changes: a row of q @ k^T comes from its own query row alone, and the
+    softmax and p @ v work row by row, so each row gets what its own head would have: figures/stacking.png
+    draws it on a toy, and section 3's last line checks it. To see it in a REPL (from mha import *):
+    q, k, v = torch.randn(1, 4, 3, 8), torch.randn(1, 2, 3, 8), torch.randn(1, 2, 3, 8)   # h=4, kv=2, T=3
+    (attend(q, k, v)[0] - attend_textbook(q, k, v)[0]).abs().max()      # a few 1e-7: rounding, nothing more
+    q = torch.arange(4.).view(1, 4, 1, 1).expand(1, 4, 3, 1)            # dh=1, each query its head's number
+    q.reshape(1, 2, 2, 3, 1).reshape(2, 6)   # as attend stacks them: block 0 = 0 0 0 1 1 1, block 1 = 2 2 2 3 3 3
+    Bits: with g = 1 (MHA) nothing is stacked: nn.MultiheadAttention's operations in its order, the same bits.
+    """
+    B, h, T, dh = q.shape
+    kv, S = k.shape[1], k.shape[2]
+    g = h // kv
+    # Query heads are numbered group by group: heads j*g .. j*g + g - 1 all read K/V head j. Splitting h into
+    # (kv, g), then merging g with T, stacks each group's g heads as the g*T rows of one block:
+    #     h=4, kv=2 (g=2), T=3:   block 0: q0t0 q0t1 q0t2 q1t0 q1t1 q1t2  -> all read k0, v0  (figures/stacking.png)
+    #                             block 1: q2t0 q2t1 q2t2 q3t0 q3t1 q3t2  -> all read k1, v1
+    #     the demo's q (README):  (2, 8, 12, 32) -> (2, 4, 2, 12, 32) -> (8, 24, 32), 8 blocks of 24 rows
+    # q * sqrt(1 / dh) scales every score as the textbook's / sqrt(dh) does. (Bits: scaling q first is PyTorch's order.)
+    q = q.reshape(B, kv, g, T, dh)                         # (B, h, T, dh) -> (B, kv, g, T, dh): h = kv x g
+    q = q.reshape(B * kv, g * T, dh) * math.sqrt(1.0 / dh)   # -> (B*kv, g*T, dh): block b*kv+j: sequence b, group j
+    k = k.reshape(B * kv, S, dh)                           # (B, kv, S, dh) -> (B*kv, S, dh): one K, not g copies
+    v = v.reshape(B * kv, S, dh)                           # (B, kv, S, dh) -> (B*kv, S, dh)
+    # Each head's T rows need the same (T, S) mask, whichever head: tile stacks g copies, one per head of a block.
+    mask = causal_mask(T, S, q.dtype).tile(g, 1)           # (T, S) -> (g*T, S)
+    # bmm: one matrix product per block of the stack, so its K/V head is read once for all g query heads.
+    scores = torch.baddbmm(mask, q, k.transpose(1, 2))     # baddbmm(M, X, Y) = M + X @ Y, each block: (B*kv, g*T, S)
+    p = scores.softmax(dim=-1)                             # (B*kv, g*T, S): each row sums to 1
+    o = torch.bmm(p, v)                                    # (B*kv, g*T, S) @ (B*kv, S, dh) -> (B*kv, g*T, dh)
+    # o and p are new tensors (softmax, bmm), their rows in the stacked order drawn above: a view un-stacks them.
+    return o.view(B, h, T, dh), p.view(B, h, T, S)         # (B*kv, g*T, ...) -> (B, h, T, dh), (B, h, T, S)
+
+
 def attend_fused(q, k, v):
     """The same attention in one fused call, the one nn.MultiheadAttention(need_weights=False) makes on a float mask.
 
@@ -781,8 +781,11 @@ def plot_decode_time(timing, problems):
     log_axes(left, contexts, [0.01, 0.1, 1, 10, 100])
     left.set_xlabel("cached context S (tokens)")
     left.set_ylabel("time per decode step (ms)")
-    shared = any(sum(timing.floor(kv, S)[1] != "memory" for kv in timing.steps) > 1 for S in contexts)
-    why = ";\ncompute-bound floors coincide: the same FLOPs at the same matmul rate" if shared else ""
+    shared = [S for S in contexts if sum(timing.floor(kv, S)[1] != "memory" for kv in timing.steps) > 1]
+    why = ""
+    if shared:                                             # contexts where two floors or more are compute-bound
+        where = "at every S" if shared == list(contexts) else f"at S = {', '.join(map(str, shared))}"
+        why = f";\ncompute-bound floors coincide {where}:\nthe same FLOPs at one matmul rate"
     left.set_title("measured, and its floor from the two rates measured beside it" + why, fontsize=10)
     left.legend(fontsize=7, ncol=2)
     roof = timing.ceilings(h, s_max)                       # MHA's, to place the words
@@ -798,7 +801,7 @@ def plot_decode_time(timing, problems):
     right.set_ylabel("GFLOP/s")
     right.set_title(f"Each configuration's roofline (its own read rate; the four nearly coincide),\n"
                     f"and its step at {s_max} tokens, dotted up to its own roof", fontsize=10)
-    right.legend(fontsize=7, loc="upper left")
+    right.legend(fontsize=7, loc="lower right")
     title = f"One decode step of one layer's attention, {h} query heads, dh={dh}, fp32, on {machine_name()}"
     if problems:
         title += f"\nNOT TRUSTWORTHY: the machine was busy while timing ({problems[0]})"
