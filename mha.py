@@ -179,7 +179,7 @@ class CausalMHA(nn.Module):
         if fused:
             o, p = attend_fused(q, k, v), None             # (B, h, T, dh)
         else:
-            o, p = attend(q, k, v)                         # (B, h, T, dh), (B, h, T, S)
+            o, p = attend(q, k, v)                         # attend_textbook's o, p, without copying K/V
         o = o.transpose(1, 2).reshape(B, T, h * dh)        # (B, h, T, dh) -> (B, T, h*dh = d): heads side by side
         y = self.out_proj(o)                               # (B, T, d): one matrix mixes the heads
         return (y, p) if need_weights else y
@@ -222,7 +222,7 @@ def check_cache(n_kv_heads, seed):
         full = attn(x)
         steps = [attn(x[:, :prompt], cache=cache)]
         steps += [attn(x[:, t:t + 1], cache=cache) for t in range(prompt, SEQ_LEN)]
-    diff = relative_diff(torch.cat(steps, dim=1), full)
+    diff = relative_diff(torch.cat(steps, dim=1), full)    # max |a - b| / max |b|; it and report() after main()
     print(f"  {attention_kind(N_HEADS, n_kv_heads)} cache fed {prompt} tokens, then {SEQ_LEN - prompt} one at a time:")
     ok &= report("      max |cached - full forward| / max |full forward|", diff, 1e-5)
     textbook = max_diff_vs_copying(attn, x)               # max |y - y through attend_textbook| (after main())

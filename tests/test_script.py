@@ -128,8 +128,10 @@ def test_readme_shapes_are_the_demo_forwards(monkeypatch):
     with torch.no_grad():
         attn(x)
     with open(os.path.join(ROOT, "README.md")) as f:
-        table = f.read().split("order `CausalMHA.forward` makes them")[1].split("```text\n")[1].split("```")[0]
-    lines = table.strip().splitlines()
+        readme = f.read()
+    lines = []
+    for before in ("order `CausalMHA.forward` makes them", "The demo's tensors in `attend`"):   # forward's, attend's
+        lines += readme.split(before)[1].split("```text\n")[1].split("```")[0].strip().splitlines()
     assert len(lines) == len(seen) == 8
     for line in lines:
         name = re.split(r"\s{2,}", line)[0]
