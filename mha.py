@@ -209,12 +209,12 @@ def check_cache(n_kv_heads, seed):
     for kv in sorted({N_HEADS, n_kv_heads, 1}, reverse=True):     # MHA, yours and MQA, each once
         cache = CausalMHA(D_MODEL, N_HEADS, kv).new_cache(batch=1, max_len=max_len)
         want = kv_cache_bytes(1, kv, D_MODEL // N_HEADS, max_len, bytes_per_elem=4)
-        ok &= cache.nbytes == want
+        ok &= (cache.nbytes == want)
         print(f"  {attention_kind(N_HEADS, kv):<5} {max_len}-token cache: {cache.nbytes:>9,} bytes allocated, "
               f"{want:>9,} by the formula  {'OK' if cache.nbytes == want else 'FAIL'}")
 
     # Feed a prompt as one chunk, then the rest one token at a time; compare with one forward over all.
-    attn = random_module(n_kv_heads, seed + 2)             # the demo's shape, seeded (after main())
+    attn = random_module(n_kv_heads, seed + 2)             # the demo's shape (after main()); + 2: draws of its own
     x = torch.randn(BATCH, SEQ_LEN, D_MODEL)               # (B, T, d)
     cache = attn.new_cache(BATCH, SEQ_LEN)                 # room for all SEQ_LEN tokens of each sequence
     prompt = SEQ_LEN // 2                                  # tokens fed at once, before one at a time
@@ -461,7 +461,7 @@ def max_diff_vs_copying(attn, x, sdpa=False):
         q = q.view(B, T, h, dh).transpose(1, 2)            # (B, T, h, dh) -> (B, h, T, dh)
         k = k.view(B, T, kv, dh).transpose(1, 2)           # (B, T, kv, dh) -> (B, kv, T, dh)
         v = v.view(B, T, kv, dh).transpose(1, 2)           # (B, T, kv, dh) -> (B, kv, T, dh)
-        if sdpa:                                           # is_causal=True is right here, where T == S
+        if sdpa:                                           # is_causal=True is right here: T == S, nothing stacked
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)   # (B, h, T, dh)
         else:
             o = attend_textbook(q, k, v)[0]                # (B, h, T, dh)
