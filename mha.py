@@ -129,10 +129,6 @@ class KVCache:
     v: torch.Tensor
     length: int = 0
 
-    @property
-    def nbytes(self):
-        return self.k.nbytes + self.v.nbytes
-
     def append(self, k, v):
         """Write k, v: (B, kv, T, dh) after the cached tokens; return all of them, (B, kv, S, dh)."""
         S = self.length + k.shape[2]
@@ -167,8 +163,10 @@ class CausalMHA(nn.Module):
         check_call(self, x, need_weights, cache, fused)    # a one-sentence error, before the cache is written
         B, T, _ = x.shape
         h, kv, dh = self.n_heads, self.n_kv_heads, self.d_head
-        # view(B, T, h, dh) cuts each token's h*dh numbers into h heads of dh, and transpose puts heads before tokens,
-        # as attention needs them. A reshape straight to (B, h, T, dh) would take token 0's head 1 for head 0's token 1.
+        # view(B, T, h, dh) cuts each token's h*dh numbers into h heads of dh; transpose puts heads before tokens. In
+        # a REPL, 2 tokens, h=2, dh=2: x = torch.arange(8.).view(1, 2, 4) is token 0 = 0 1 2 3, token 1 = 4 5 6 7, and
+        # x.view(1, 2, 2, 2).transpose(1, 2)[0, 0] is head 0: [[0, 1], [4, 5]], the first two numbers of each token.
+        # x.reshape(1, 2, 2, 2)[0, 0] would be [[0, 1], [2, 3]]: token 0's two heads, taken for head 0's two tokens.
         qkv = self.in_proj(x)                              # (B, T, d) -> (B, T, (h + 2kv) dh)
         q, k, v = qkv.split([h * dh, kv * dh, kv * dh], dim=-1)
         q = q.view(B, T, h, dh).transpose(1, 2)            # (B, T, h*dh) -> (B, T, h, dh) -> (B, h, T, dh)
@@ -208,10 +206,11 @@ def check_cache(n_kv_heads, seed):
     print(f"\n3. Cached decoding; attend vs the textbook (d={D_MODEL}, h={N_HEADS}, dh={D_MODEL // N_HEADS}, fp32)")
     for kv in sorted({N_HEADS, n_kv_heads, 1}, reverse=True):     # MHA, yours and MQA, each once
         cache = CausalMHA(D_MODEL, N_HEADS, kv).new_cache(batch=1, max_len=max_len)
+        n = cache.k.nbytes + cache.v.nbytes                # the bytes its K and V tensors hold
         want = kv_cache_bytes(1, kv, D_MODEL // N_HEADS, max_len, bytes_per_elem=4)
-        ok &= (cache.nbytes == want)
-        print(f"  {attention_kind(N_HEADS, kv):<5} {max_len}-token cache: {cache.nbytes:>9,} bytes allocated, "
-              f"{want:>9,} by the formula  {'OK' if cache.nbytes == want else 'FAIL'}")
+        ok &= (n == want)
+        print(f"  {attention_kind(N_HEADS, kv):<5} {max_len}-token cache: {n:>9,} bytes allocated, "
+              f"{want:>9,} by the formula  {'OK' if n == want else 'FAIL'}")
 
     # Feed a prompt as one chunk, then the rest one token at a time; compare with one forward over all.
     attn = random_module(n_kv_heads, seed + 2)             # the demo's shape (after main()); + 2: draws of its own
@@ -680,7 +679,7 @@ def plot_cache_sizes(n_kv_heads):
     ax.axhline(GPU_CACHE_GB, color="gray", ls="--", lw=1)
     ax.text(context[0], GPU_CACHE_GB * 1.15, f"{GPU_CACHE_GB} GB of GPU memory set aside for the cache", fontsize=8,
             color="gray")
-    log_axes(ax, context[::2], [0.001, 0.01, 0.1, 1, 10, 100])
+    log_axes(ax, sorted({*context[::2], CACHE_TOKENS}), [0.001, 0.01, 0.1, 1, 10, 100])   # a tick under the squares
     ax.set_ylim(0.001, 150)                                # room for the legend under the MQA line
     ax.set_xlabel("context length (tokens)")
     ax.set_ylabel("KV cache per request (GB, 1 GB = 1e9 bytes)")
@@ -799,7 +798,7 @@ def plot_decode_time(timing, problems):
     log_axes(right, sorted({0.125, 64, 512, *(h / kv / 2 for kv in timing.steps)}), [1, 10, 100, 1000])   # at the dots
     right.set_xlabel("arithmetic intensity (FLOPs per byte read)")
     right.set_ylabel("GFLOP/s")
-    right.set_title(f"Each configuration's roofline (its own read rate; the four nearly coincide),\n"
+    right.set_title(f"Each configuration's roofline (its own read rate, so its own ridge),\n"
                     f"and its step at {s_max} tokens, dotted up to its own roof", fontsize=10)
     right.legend(fontsize=7, loc="lower right")
     title = f"One decode step of one layer's attention, {h} query heads, dh={dh}, fp32, on {machine_name()}"

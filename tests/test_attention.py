@@ -177,6 +177,29 @@ def test_attends_repl_lines_show_the_stacked_order(monkeypatch):
     assert torch.equal(seen[0][:, :, 0], blocks)           # attend's own stacked q (dh = 1: scaled by 1)
 
 
+def test_forwards_repl_comment_shows_what_view_transpose_and_a_plain_reshape_give(monkeypatch):
+    """forward's comment, run as it says: view then transpose gives head 0 the first two numbers of each token,
+    a plain reshape gives it token 0's two heads; and forward's own q is cut the first way."""
+    import inspect
+    source = " ".join(line.strip().lstrip("# ") for line in inspect.getsource(mha.CausalMHA.forward).splitlines())
+    x = torch.arange(8.).view(1, 2, 4)                     # as the comment defines it
+    assert "x = torch.arange(8.).view(1, 2, 4) is token 0 = 0 1 2 3, token 1 = 4 5 6 7" in source
+    assert x[0].tolist() == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    head0 = x.view(1, 2, 2, 2).transpose(1, 2)[0, 0]
+    wrong = x.reshape(1, 2, 2, 2)[0, 0]
+    assert "transpose(1, 2)[0, 0] is head 0: [[0, 1], [4, 5]]" in source and head0.tolist() == [[0, 1], [4, 5]]
+    assert "x.reshape(1, 2, 2, 2)[0, 0] would be [[0, 1], [2, 3]]" in source and wrong.tolist() == [[0, 1], [2, 3]]
+    attn = mha.CausalMHA(4, 2, bias=False)                 # h=2, dh=2; in_proj the identity on q's rows
+    with torch.no_grad():
+        attn.in_proj.weight.zero_()
+        attn.in_proj.weight[:4] = torch.eye(4)
+    seen, real = {}, mha.attend
+    monkeypatch.setattr(mha, "attend", lambda q, k, v: seen.setdefault("q", q) is not None and real(q, k, v))
+    with torch.no_grad():
+        attn(x)
+    assert torch.equal(seen["q"][0, 0], head0)             # forward's q: head 0 as the comment says
+
+
 def test_the_one_head_repl_example_is_the_readmes_by_hand():
     """attend_one_head's docstring lines, run as written, give the README's hand-worked (0.80, 0.60) and the
     printed digits; the README's weights (0.40, 0.20, 0.40) are p's row."""

@@ -52,7 +52,7 @@ def test_new_cache_shape_dtype_and_bytes(kv):
     cache = module(8, kv, torch.float64).new_cache(batch=3, max_len=50)
     assert cache.k.shape == cache.v.shape == (3, kv, 50, 16)
     assert cache.k.dtype == torch.float64 and cache.length == 0
-    assert cache.nbytes == mha.kv_cache_bytes(1, kv, 16, 50, batch=3, bytes_per_elem=8)
+    assert cache.k.nbytes + cache.v.nbytes == mha.kv_cache_bytes(1, kv, 16, 50, batch=3, bytes_per_elem=8)
 
 
 def test_new_cache_is_made_where_the_weights_are():

@@ -92,7 +92,7 @@ def test_readme_prose_quotes_the_quoted_decode_table():
     assert len(reaches) == 4
     assert f"MQA ran {speedup} times as fast as MHA, and each step ran at {min(reaches)} to {max(reaches)} % of" in prose
     mqa = next(line for line in quoted.split("5. Decode step")[1].splitlines() if line.startswith("   MQA "))
-    assert "MQA's floor is not 32 times below MHA's here: at 16 FLOPs per byte it lies above this CPU's ridge" in prose
+    assert "MQA's floor is not 32 times below MHA's here: at 16 FLOPs per byte it lies above its ridge on this CPU" in prose
     assert mqa.split()[4] == "compute", mqa                # what that sentence says of the quoted run
 
 
