@@ -41,7 +41,7 @@ FIGURES = ["attention_maps.png", "kv_cache_size.png", "head_layout.png", "stacki
 
 # Section 1's table, the cache figure and the decode timing use Llama-7B-shaped attention.
 LLAMA_LAYERS, LLAMA_HEADS, LLAMA_D_HEAD = 32, 32, 128    # layers, query heads, head width
-LLAMA_KV_HEADS = (32, 8, 4, 1)    # K/V heads compared: MHA, GQA-8, GQA-4, MQA (section 1 adds a row of your g)
+LLAMA_KV_HEADS = (32, 8, 4, 1)    # K/V heads compared: MHA, GQA-8, GQA-4, MQA (section 1 adds the one with your g)
 CACHE_TOKENS = 4096               # context length of the tables
 CACHE_BYTES_PER_ELEM = 2          # bytes per cached number: 2 = fp16/bf16, 1 = fp8, 4 = fp32
 GPU_CACHE_GB = 40                 # GPU memory set aside for the cache, GB (1 GB = 1e9 bytes)
@@ -213,7 +213,7 @@ def check_cache(n_kv_heads, seed):
               f"{want:>9,} by the formula  {'OK' if n == want else 'FAIL'}")
 
     # Feed a prompt as one chunk, then the rest one token at a time; compare with one forward over all.
-    attn = random_module(n_kv_heads, seed + 2)             # the demo's shape (after main()); + 2: draws of its own
+    attn = random_module(n_kv_heads, seed + 2)             # the demo's shape (after main()); seed + 2: not section 4's
     x = torch.randn(BATCH, SEQ_LEN, D_MODEL)               # (B, T, d)
     cache = attn.new_cache(BATCH, SEQ_LEN)                 # room for all SEQ_LEN tokens of each sequence
     prompt = SEQ_LEN // 2                                  # tokens fed at once, before one at a time
@@ -358,7 +358,7 @@ def run_checks(n_kv_heads, seed):
     ok = report("MHA   written out vs nn.MHA(need_weights=True)", y_diff, 0.0)   # prints it, True if OK
     ok &= report("MHA   the same, per-head weights", w_diff, 0.0)
     ok &= report("MHA   fused vs nn.MHA(need_weights=False)", max_diff_vs_torch(copy, one, ref, fused=True)[0], 0.0)
-    with torch.no_grad():                                  # PyTorch's two paths differ, so a 0.0 means its order
+    with torch.no_grad():                                  # its two paths differ: each 0.0 above matched one of them
         mask = causal_mask(SEQ_LEN, SEQ_LEN)
         own = ref(one, one, one, attn_mask=mask)[0] - ref(one, one, one, attn_mask=mask, need_weights=False)[0]
     print(f"  {'      nn.MHA need_weights=True vs =False':<52} = {own.abs().max():.2e}  (PyTorch against itself: "
