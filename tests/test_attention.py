@@ -194,7 +194,12 @@ def test_forwards_repl_comment_shows_what_view_transpose_and_a_plain_reshape_giv
         attn.in_proj.weight.zero_()
         attn.in_proj.weight[:4] = torch.eye(4)
     seen, real = {}, mha.attend
-    monkeypatch.setattr(mha, "attend", lambda q, k, v: seen.setdefault("q", q) is not None and real(q, k, v))
+
+    def spy(q, k, v):
+        seen["q"] = q
+        return real(q, k, v)
+
+    monkeypatch.setattr(mha, "attend", spy)
     with torch.no_grad():
         attn(x)
     assert torch.equal(seen["q"][0, 0], head0)             # forward's q: head 0 as the comment says
