@@ -1,5 +1,6 @@
 """The module against PyTorch: bit-exact for MHA, within stated tolerances for GQA/MQA and conversions."""
 
+import math
 import os
 
 import pytest
@@ -206,20 +207,28 @@ def test_forwards_repl_comment_shows_what_view_transpose_and_a_plain_reshape_giv
 
 
 def test_the_one_head_repl_example_is_the_readmes_by_hand():
-    """attend_one_head's docstring lines, run as written, give the README's hand-worked (0.80, 0.60) and the
-    printed digits; the README's weights (0.40, 0.20, 0.40) are p's row."""
+    """attend_one_head's docstring lines, run as written, give the printed digits; the README's three matrices
+    (scores with the mask, p, o, to two decimals) are what the code computes, and its prose quotes row 2."""
     lines = mha.attend_one_head.__doc__.split("in a REPL (from mha import *):")[1].strip().splitlines()[:3]
     scope = {"torch": torch, "attend_one_head": mha.attend_one_head}
     for line in lines[:2]:                                 # k = ..., q = ...
         exec(line.split("#")[0].strip(), scope)            # noqa: S102 (the docstring's own line, as a doctest would)
     o = eval(lines[2].split("#")[0].strip(), scope)
     printed = [float(n) for n in lines[2].rsplit("tensor([", 1)[1].split("])")[0].split(", ")]
-    assert torch.equal(o.round(decimals=4), torch.tensor(printed)) and torch.equal(o.round(decimals=2), torch.tensor([0.8, 0.6]))
+    assert torch.equal(o.round(decimals=4), torch.tensor(printed))
     with open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")) as f:
-        readme = " ".join(f.read().split())
-    assert "the softmax makes them `(0.40, 0.20, 0.40)`" in readme and "= (0.80, 0.60)`" in readme
-    p = mha.attend_one_head(scope["q"], scope["k"], scope["k"])[1][2]
-    assert torch.equal(p.round(decimals=2), torch.tensor([0.4, 0.2, 0.4]))
+        readme = f.read()
+    block = readme.split("q k^T / sqrt(2) + mask")[1].split("```")[0].strip().splitlines()[1:]   # after the headers
+    rows = [[float(n) for n in line.replace("[", " ").replace("]", " ").split()] for line in block]
+    assert len(rows) == 3 and all(len(row) == 3 + 3 + 2 for row in rows)      # scores, p, o side by side
+    q, k = scope["q"], scope["k"]
+    scores = q @ k.T / math.sqrt(2) + mha.causal_mask(3, 3)
+    o, p = mha.attend_one_head(q, k, k)
+    assert torch.equal(torch.tensor([row[:3] for row in rows]), scores.round(decimals=2))
+    assert torch.equal(torch.tensor([row[3:6] for row in rows]), p.round(decimals=2))
+    assert torch.equal(torch.tensor([row[6:] for row in rows]), o.round(decimals=2))
+    prose = " ".join(readme.split())
+    assert "softmax `(0.40, 0.20, 0.40)`" in prose and "= (0.80, 0.60)`" in prose
 
 
 def test_the_textbook_is_one_head_at_a_time():
