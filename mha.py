@@ -163,9 +163,10 @@ class CausalMHA(nn.Module):
         check_call(self, x, need_weights, cache, fused)    # a one-sentence error, before the cache is written
         B, T, _ = x.shape
         h, kv, dh = self.n_heads, self.n_kv_heads, self.d_head
-        # view(B, T, h, dh) cuts each token's h*dh numbers into h heads of dh; transpose puts heads before tokens. In
-        # a REPL, 2 tokens, h=2, dh=2: x = torch.arange(8.).view(1, 2, 4) is token 0 = 0 1 2 3, token 1 = 4 5 6 7, and
-        # x.view(1, 2, 2, 2).transpose(1, 2)[0, 0] is head 0: [[0, 1], [4, 5]], the first two numbers of each token.
+        # Each token's h*dh numbers are its h heads side by side. A REPL toy: x = torch.arange(8.).view(1, 2, 4)
+        # is token 0 = 0 1 2 3, token 1 = 4 5 6 7 (2 tokens, h=2, dh=2), drawn cut into heads of dh:
+        #     token 0:  0 1 | 2 3      view(1, 2, 2, 2) cuts each token at the bar, transpose(1, 2) puts heads before
+        #     token 1:  4 5 | 6 7      tokens: x.view(1, 2, 2, 2).transpose(1, 2)[0, 0] is head 0: [[0, 1], [4, 5]].
         # x.reshape(1, 2, 2, 2)[0, 0] would be [[0, 1], [2, 3]]: token 0's two heads, taken for head 0's two tokens.
         qkv = self.in_proj(x)                              # (B, T, d) -> (B, T, (h + 2kv) dh)
         q, k, v = qkv.split([h * dh, kv * dh, kv * dh], dim=-1)

@@ -186,6 +186,10 @@ def test_forwards_repl_comment_shows_what_view_transpose_and_a_plain_reshape_giv
     x = torch.arange(8.).view(1, 2, 4)                     # as the comment defines it
     assert "x = torch.arange(8.).view(1, 2, 4) is token 0 = 0 1 2 3, token 1 = 4 5 6 7" in source
     assert x[0].tolist() == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    for t in range(2):                                     # the drawing: each token cut into its two heads
+        heads = x.view(1, 2, 2, 2)[0, t].int().tolist()    # [[head 0's numbers], [head 1's]]
+        drawn = f"token {t}:  " + " | ".join(" ".join(map(str, head)) for head in heads)
+        assert drawn in source, drawn
     head0 = x.view(1, 2, 2, 2).transpose(1, 2)[0, 0]
     wrong = x.reshape(1, 2, 2, 2)[0, 0]
     assert "transpose(1, 2)[0, 0] is head 0: [[0, 1], [4, 5]]" in source and head0.tolist() == [[0, 1], [4, 5]]
