@@ -9,7 +9,7 @@ Multi-head attention, and its grouped-query (GQA) and multi-query (MQA) variants
   - Sections 1 to 3 of the output: the KV cache of real models in bytes, decoding with a real cache, attend
     against the textbook. On a second pass, 4: MHA with nn.MultiheadAttention's weights gives its output to the
     last bit (max difference 0.0) on a sequence, GQA/MQA to 2e-6; 5: a decode step's time against its floor.
-A first pass skips the sections headed "a second pass" and what follows "Bits:". After main(): helpers and plumbing.
+A first pass skips the sections headed "a second pass" (their "Bits:" notes can wait longer). After main(): plumbing.
 Not here: training and what GQA costs (quality.py), what may come after GQA (mla.py), dropout, padding, positions.
 Run:    python mha.py  (a few seconds; writes figures/)     python mha.py --n-kv-heads 2  (or edit N_KV_HEADS)
 Papers: Vaswani et al. 2017 (arXiv:1706.03762), Shazeer 2019 (1911.02150), Ainslie et al. 2023 (2305.13245).
@@ -167,7 +167,7 @@ class CausalMHA(nn.Module):
         # is token 0 = 0 1 2 3, token 1 = 4 5 6 7 (2 tokens, h=2, dh=2), drawn cut into heads of dh:
         #     token 0:  0 1 | 2 3      view(1, 2, 2, 2) cuts each token at the bar, transpose(1, 2) puts heads before
         #     token 1:  4 5 | 6 7      tokens: x.view(1, 2, 2, 2).transpose(1, 2)[0, 0] is head 0: [[0, 1], [4, 5]].
-        # x.reshape(1, 2, 2, 2)[0, 0] would be [[0, 1], [2, 3]]: token 0's two heads, taken for head 0's two tokens.
+        # x.reshape(1, 2, 2, 2)[0, 0] would be [[0, 1], [2, 3]]: token 0 alone, both sides of its bar. Wrong.
         qkv = self.in_proj(x)                              # (B, T, d) -> (B, T, (h + 2kv) dh)
         q, k, v = qkv.split([h * dh, kv * dh, kv * dh], dim=-1)
         q = q.view(B, T, h, dh).transpose(1, 2)            # (B, T, h*dh) -> (B, T, h, dh) -> (B, h, T, dh)
@@ -214,7 +214,7 @@ def check_cache(n_kv_heads, seed):
               f"{want:>9,} by the formula  {'OK' if n == want else 'FAIL'}")
 
     # Feed a prompt as one chunk, then the rest one token at a time; compare with one forward over all.
-    attn = random_module(n_kv_heads, seed + 2)             # the demo's shape (after main()); seed + 2: not section 4's
+    attn = random_module(n_kv_heads, seed + 2)             # the demo's shape, random weights (after main())
     x = torch.randn(BATCH, SEQ_LEN, D_MODEL)               # (B, T, d)
     cache = attn.new_cache(BATCH, SEQ_LEN)                 # room for all SEQ_LEN tokens of each sequence
     prompt = SEQ_LEN // 2                                  # tokens fed at once, before one at a time
@@ -393,9 +393,9 @@ def run_checks(n_kv_heads, seed):
 # 13.4 ms and the arithmetic 1.3 ms: the step waits on memory. MQA reads 32x fewer bytes (0.4 ms), so its FLOPs decide.
 # Which one decides is told by the FLOPs per byte, 4 h S dh / (2 kv S dh x 4 bytes) = h / (2 kv) = g / 2 in
 # fp32, against the ridge, FLOP rate / read rate: below it the bytes decide, above it the FLOPs. Both rates
-# are measured in the same run: a timed sum of each step's own K and V (one addition per number read, so
-# its time is the reading; each row has its own rate, since sizes, layouts and the machine's load differ),
-# and a 512x512 matmul. They are rates this CPU reaches, not its peaks, so the floor is an estimate.
+# are measured in the same run: a 512x512 matmul, and a timed sum of each step's own K and V (one addition
+# per number read, so its time is the reading). So each row has its own read rate: MQA's 8 MB come partly from
+# the CPU's caches, faster than MHA's 268 MB from memory. Rates this CPU reaches, not peaks: an estimate.
 def decode_flops(n_heads, d_head, S):
     """FLOPs of one new token's attention over S keys: 4 h S dh.  decode_flops(32, 128, 4096) == 67108864"""
     return 4 * n_heads * S * d_head
