@@ -712,7 +712,8 @@ def plot_head_layout(n_kv_heads):
         ax.set_xlim(-0.1, N_HEADS + 0.1)
         ax.set_ylim(-0.1, 1.6)
         ax.axis("off")
-    fig.suptitle(f"Which query heads share which K/V head ({N_HEADS} query heads)", fontsize=11)
+    fig.suptitle(f"Which query heads share which K/V head ({N_HEADS} query heads, coloured by the K/V head they read)",
+                 fontsize=11)
     return fig
 
 
