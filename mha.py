@@ -72,8 +72,8 @@ def attention_kind(n_heads, n_kv_heads):
 
 def causal_mask(T, S, dtype=torch.float32):
     """(T, S) additive mask: 0 where new token i may see key j, -inf where key j lies in its future (after the
-    softmax, exp(-inf) = 0: a future key gets no weight at all). A whole sequence has T == S: the first example.
-    With a cache (KVCache, below) the T new tokens follow S - T kept ones, so token i sits at S - T + i.
+    softmax, exp(-inf) = 0: a future key gets no weight at all). Until KVCache (below), T == S: the first example.
+    With a cache, the T new tokens follow S - T kept ones, so new token i sits at S - T + i: the second example.
     causal_mask(3, 3) == [[0, -inf, -inf], [0, 0, -inf], [0, 0, 0]]   (a whole sequence: T == S)
     causal_mask(2, 3) == [[0, 0, -inf], [0, 0, 0]]                    (key 0 cached, keys 1 and 2 new)
     """
