@@ -394,8 +394,8 @@ def run_checks(n_kv_heads, seed):
 # Which one decides is told by the FLOPs per byte, 4 h S dh / (2 kv S dh x 4 bytes) = h / (2 kv) = g / 2 in
 # fp32, against the ridge, FLOP rate / read rate: below it the bytes decide, above it the FLOPs. Both rates
 # are measured in the same run: a 512x512 matmul, and a timed sum of each step's own K and V (one addition
-# per number read, so its time is the reading). So each row has its own read rate: MQA's 8 MB come partly from
-# the CPU's caches, faster than MHA's 268 MB from memory. Rates this CPU reaches, not peaks: an estimate.
+# per number read, so its time is the reading). Each row gets its own read rate: MQA's 8 MB may come partly
+# from the CPU's caches, MHA's 268 MB cannot. These are rates this CPU reached, not its peaks: an estimate.
 def decode_flops(n_heads, d_head, S):
     """FLOPs of one new token's attention over S keys: 4 h S dh.  decode_flops(32, 128, 4096) == 67108864"""
     return 4 * n_heads * S * d_head
