@@ -141,8 +141,8 @@ class KVCache:
 class CausalMHA(nn.Module):
     """Causal self-attention with h query heads and kv key/value heads (MHA, GQA or MQA).
 
-    One input projection makes q, k and v. Its weight has a row per output number: every query head, then
-    every key head, then every value head, dh rows each: with kv == h exactly nn.MultiheadAttention's in_proj_weight.
+    One projection, in_proj (W_q, W_k and W_v stacked), makes q, k and v: its weight has a row per output number,
+    every query head's dh rows, then every key head's, then every value head's: with kv == h, nn.MHA's in_proj_weight.
     forward calls attend() (the second pass opens with it): what attend_textbook computes, without copying K/V heads.
     """
 
