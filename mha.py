@@ -143,7 +143,6 @@ class CausalMHA(nn.Module):
 
     One projection, in_proj (W_q, W_k and W_v stacked), makes q, k and v: its weight has a row per output number,
     every query head's dh rows, then every key head's, then every value head's: with kv == h, nn.MHA's in_proj_weight.
-    forward calls attend() (the second pass opens with it): what attend_textbook computes, without copying K/V heads.
     """
 
     def __init__(self, d_model, n_heads, n_kv_heads=None, bias=True):
@@ -178,7 +177,7 @@ class CausalMHA(nn.Module):
         if fused:
             o, p = attend_fused(q, k, v), None             # (B, h, T, dh)
         else:
-            o, p = attend(q, k, v)                         # attend_textbook's o, p, without copying K/V
+            o, p = attend(q, k, v)                         # attend_textbook's o, p without copying K/V (second pass)
         o = o.transpose(1, 2).reshape(B, T, h * dh)        # (B, h, T, dh) -> (B, T, h*dh = d): heads side by side
         y = self.out_proj(o)                               # (B, T, d): one matrix mixes the heads
         return (y, p) if need_weights else y
