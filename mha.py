@@ -123,7 +123,7 @@ class KVCache:
     A model generates one token at a time, and each new token attends to every token before it. Their keys
     and values never change (in every layer a token's k and v depend on it and earlier tokens only), so they
     are kept, and each step projects the new token alone: forward(x_new, cache=...). Queries are not kept:
-    only the new token's is ever used. Only the first `length` positions hold tokens; setting it back rewinds.
+    only the new token's is ever used. Only the first `length` positions hold tokens.
     """
     k: torch.Tensor
     v: torch.Tensor
@@ -166,7 +166,7 @@ class CausalMHA(nn.Module):
         # is token 0 = 0 1 2 3, token 1 = 4 5 6 7 (2 tokens, h=2, dh=2), drawn cut into heads of dh:
         #     token 0:  0 1 | 2 3      view(1, 2, 2, 2) cuts each token at the bar, transpose(1, 2) puts heads before
         #     token 1:  4 5 | 6 7      tokens: x.view(1, 2, 2, 2).transpose(1, 2)[0, 0] is head 0: [[0, 1], [4, 5]].
-        # x.reshape(1, 2, 2, 2)[0, 0] would be [[0, 1], [2, 3]]: token 0 alone, both sides of its bar. Wrong.
+        # Without the transpose, x.view(1, 2, 2, 2)[0, 0] is [[0, 1], [2, 3]]: token 0's two heads, not head 0.
         qkv = self.in_proj(x)                              # (B, T, d) -> (B, T, (h + 2kv) dh)
         q, k, v = qkv.split([h * dh, kv * dh, kv * dh], dim=-1)
         q = q.view(B, T, h, dh).transpose(1, 2)            # (B, T, h*dh) -> (B, T, h, dh) -> (B, h, T, dh)

@@ -178,9 +178,9 @@ def test_attends_repl_lines_show_the_stacked_order(monkeypatch):
     assert torch.equal(seen[0][:, :, 0], blocks)           # attend's own stacked q (dh = 1: scaled by 1)
 
 
-def test_forwards_repl_comment_shows_what_view_transpose_and_a_plain_reshape_give(monkeypatch):
+def test_forwards_repl_comment_shows_what_view_with_and_without_transpose_gives(monkeypatch):
     """forward's comment, run as it says: view then transpose gives head 0 the first two numbers of each token,
-    a plain reshape gives it token 0's two heads; and forward's own q is cut the first way."""
+    the view without the transpose gives it token 0's two heads; and forward's own q is cut the first way."""
     import inspect
     source = " ".join(line.strip().lstrip("# ") for line in inspect.getsource(mha.CausalMHA.forward).splitlines())
     x = torch.arange(8.).view(1, 2, 4)                     # as the comment defines it
@@ -191,9 +191,10 @@ def test_forwards_repl_comment_shows_what_view_transpose_and_a_plain_reshape_giv
         drawn = f"token {t}:  " + " | ".join(" ".join(map(str, head)) for head in heads)
         assert drawn in source, drawn
     head0 = x.view(1, 2, 2, 2).transpose(1, 2)[0, 0]
-    wrong = x.reshape(1, 2, 2, 2)[0, 0]
+    wrong = x.view(1, 2, 2, 2)[0, 0]
     assert "transpose(1, 2)[0, 0] is head 0: [[0, 1], [4, 5]]" in source and head0.tolist() == [[0, 1], [4, 5]]
-    assert "x.reshape(1, 2, 2, 2)[0, 0] would be [[0, 1], [2, 3]]" in source and wrong.tolist() == [[0, 1], [2, 3]]
+    assert "Without the transpose, x.view(1, 2, 2, 2)[0, 0] is [[0, 1], [2, 3]]" in source
+    assert wrong.tolist() == [[0, 1], [2, 3]]
     attn = mha.CausalMHA(4, 2, bias=False)                 # h=2, dh=2; in_proj the identity on q's rows
     with torch.no_grad():
         attn.in_proj.weight.zero_()
