@@ -209,7 +209,7 @@ def check_cache(n_kv_heads, seed):
         n = cache.k.nbytes + cache.v.nbytes                # the bytes its K and V tensors hold
         want = kv_cache_bytes(1, kv, D_MODEL // N_HEADS, max_len, bytes_per_elem=4)
         ok &= (n == want)
-        print(f"  {attention_kind(N_HEADS, kv):<5} {max_len}-token cache: {n:>9,} bytes allocated, "
+        print(f"  {attention_kind(N_HEADS, kv):<5} {max_len}-token cache, one layer, batch 1: {n:>9,} bytes allocated, "
               f"{want:>9,} by the formula  {'OK' if n == want else 'FAIL'}")
 
     # Feed a prompt as one chunk, then the rest one token at a time; compare with one forward over all.

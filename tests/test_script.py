@@ -91,9 +91,14 @@ def test_readme_prose_quotes_the_quoted_decode_table():
     prose = " ".join(readme.split())
     assert len(reaches) == 4
     assert f"MQA ran {speedup} times as fast as MHA, and each step ran at {min(reaches)} to {max(reaches)} % of" in prose
-    mqa = next(line for line in quoted.split("5. Decode step")[1].splitlines() if line.startswith("   MQA "))
-    assert "MQA's floor is not 32 times below MHA's here: at 16 FLOPs per byte it lies above its ridge on this CPU" in prose
-    assert mqa.split()[4] == "compute", mqa                # what that sentence says of the quoted run
+    rows = {line.split()[0]: line.split() for line in quoted.split("5. Decode step")[1].splitlines()
+            if re.match(r"   (MHA|GQA-\d+|MQA) .*%$", line)}   # config, FLOP/byte, read GB/s, ridge, bound, floor ...
+    matmul = float(re.search(r"a 512x512 matmul's, (\d+) GFLOP/s", quoted).group(1)) * 1e9
+    flop_ms = mha.decode_flops(32, 128, 8192) / matmul * 1e3
+    assert rows["MHA"][4] == "memory" and f"MHA's are about {float(rows['MHA'][5]):.0f} and {flop_ms:.1f} ms" in prose
+    ridges = [float(row[3]) for row in rows.values()]
+    assert f"16 per byte, above the ridge ({min(ridges):.0f} to {max(ridges):.0f} below)" in prose
+    assert rows["MQA"][1] == "16.0" and rows["MQA"][4] == "compute", rows["MQA"]   # what that sentence says
 
 
 def test_readme_shapes_are_the_demo_forwards(monkeypatch):
