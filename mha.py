@@ -679,7 +679,7 @@ def plot_cache_sizes(n_kv_heads):
     ax.axhline(GPU_CACHE_GB, color="gray", ls="--", lw=1)
     ax.text(context[0], GPU_CACHE_GB * 1.15, f"{GPU_CACHE_GB} GB of GPU memory set aside for the cache", fontsize=8,
             color="gray")
-    log_axes(ax, sorted({*context[::2], CACHE_TOKENS}), [0.001, 0.01, 0.1, 1, 10, 100])   # a tick under the squares
+    log_axes(ax, sorted({*context, CACHE_TOKENS}), [0.001, 0.01, 0.1, 1, 10, 100])   # a tick at each dot and square
     ax.set_ylim(0.001, 150)                                # room for the legend under the MQA line
     ax.set_xlabel("context length (tokens)")
     ax.set_ylabel("KV cache per request (GB, 1 GB = 1e9 bytes)")

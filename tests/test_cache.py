@@ -392,3 +392,11 @@ def test_the_cache_figure_draws_the_rows_of_section_1(capsys):
         assert [line.split()[0] for line in table] == [label.split()[0] for label in labels], n_kv_heads
         assert [("<- g =" in line) for line in table] == [("as in your demo" in label) for label in labels]
         assert sum("as in your demo" in label for label in labels) == 1
+
+
+def test_the_cache_figure_labels_each_context_it_draws():
+    """Every context with a dot, and CACHE_TOKENS under the squares, has its own labelled tick (reader 73)."""
+    ax = mha.plot_cache_sizes(4).axes[0]
+    dots = sorted({x for line in ax.get_lines() if line.get_marker() == "o" for x in line.get_xdata()})
+    assert dots[0] == 512 and mha.CACHE_TOKENS in dots
+    assert [t.get_text() for t in ax.get_xticklabels()] == [f"{x:g}" for x in dots]
