@@ -82,7 +82,8 @@ def test_readme_quotes_the_real_output(two_runs):
 
 
 def test_readme_prose_quotes_the_quoted_decode_table():
-    """The section 5 bullet gives the quoted run's speed-up and range of 'reaches': both must be that run's."""
+    """The section 5 bullet's worked example is the formulas' arithmetic, and its speed-up, range of 'reaches',
+    ridges and bounds are the quoted run's."""
     import re
     readme, quoted = readme_output()
     speedup = re.search(r"and is (\d+\.\d)x faster", quoted).group(1)
@@ -93,12 +94,15 @@ def test_readme_prose_quotes_the_quoted_decode_table():
     assert f"MQA ran {speedup} times as fast as MHA, and each step ran at {min(reaches)} to {max(reaches)} % of" in prose
     rows = {line.split()[0]: line.split() for line in quoted.split("5. Decode step")[1].splitlines()
             if re.match(r"   (MHA|GQA-\d+|MQA) .*%$", line)}   # config, FLOP/byte, read GB/s, ridge, bound, floor ...
-    matmul = float(re.search(r"a 512x512 matmul's, (\d+) GFLOP/s", quoted).group(1)) * 1e9
-    flop_ms = mha.decode_flops(32, 128, 8192) / matmul * 1e3
-    assert rows["MHA"][4] == "memory" and f"MHA's are about {float(rows['MHA'][5]):.0f} and {flop_ms:.1f} ms" in prose
+    flops, mha_bytes, mqa_bytes = (mha.decode_flops(32, 128, 8192), mha.decode_bytes(32, 128, 8192),
+                                   mha.decode_bytes(1, 128, 8192))   # the worked example, at 20 GB/s and 100 GFLOP/s
+    assert f"MHA reads {mha_bytes / 1e6:.0f} MB (fp32) for {flops / 1e6:.0f} MFLOP" in prose
+    assert f"the reading takes {mha_bytes / 20e9 * 1e3:.1f} ms and the arithmetic {flops / 100e9 * 1e3:.1f} ms" in prose
+    assert f"MQA reads {mha_bytes // mqa_bytes} times less ({mqa_bytes / 20e9 * 1e3:.1f} ms)" in prose
     ridges = [float(row[3]) for row in rows.values()]
-    assert f"16 per byte, above its ridge (each configuration its own: {min(ridges):.0f} to {max(ridges):.0f} below)" in prose
-    assert rows["MQA"][1] == "16.0" and rows["MQA"][4] == "compute", rows["MQA"]   # what that sentence says
+    assert f"the ridge, FLOP rate / read rate: {min(ridges):.0f} to {max(ridges):.0f} in the run drawn" in prose
+    assert rows["MHA"][1] == "0.5" and rows["MHA"][4] == "memory", rows["MHA"]   # what the paragraph says of that run
+    assert rows["MQA"][1] == "16.0" and rows["MQA"][4] == "compute", rows["MQA"]
 
 
 def test_readme_shapes_are_the_demo_forwards(monkeypatch):
