@@ -87,13 +87,12 @@ def test_readme_prose_quotes_the_quoted_decode_table():
     import re
     readme, quoted = readme_output()
     speedup = re.search(r"and is (\d+\.\d)x faster", quoted).group(1)
-    reaches = [int(line.split()[-1].rstrip("%")) for line in quoted.split("5. Decode step")[1].splitlines()
-               if re.match(r"   (MHA|GQA-\d+|MQA) .*%$", line)]
+    rows = {line.split()[0]: line.split() for line in quoted.split("5. Decode step")[1].splitlines()
+            if re.match(r"   (MHA|GQA-\d+|MQA) .*%$", line)}   # config, FLOP/byte, read GB/s, ridge, bound, ..., reaches
+    reaches = [int(row[-1].rstrip("%")) for row in rows.values()]
     prose = " ".join(readme.split())
     assert len(reaches) == 4
     assert f"MQA ran {speedup} times as fast as MHA, and each step ran at {min(reaches)} to {max(reaches)} % of" in prose
-    rows = {line.split()[0]: line.split() for line in quoted.split("5. Decode step")[1].splitlines()
-            if re.match(r"   (MHA|GQA-\d+|MQA) .*%$", line)}   # config, FLOP/byte, read GB/s, ridge, bound, floor ...
     flops, mha_bytes, mqa_bytes = (mha.decode_flops(32, 128, 8192), mha.decode_bytes(32, 128, 8192),
                                    mha.decode_bytes(1, 128, 8192))   # the worked example, at 20 GB/s and 100 GFLOP/s
     assert f"MHA reads {mha_bytes / 1e6:.0f} MB (fp32) for {flops / 1e6:.0f} MFLOP" in prose
