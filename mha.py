@@ -255,14 +255,15 @@ def attend(q, k, v):
     q = q.reshape(B * kv, g * T, dh) * math.sqrt(1.0 / dh)   # -> (B*kv, g*T, dh): block b*kv+j: sequence b, group j
     k = k.reshape(B * kv, S, dh)                           # (B, kv, S, dh) -> (B*kv, S, dh): one K, not g copies
     v = v.reshape(B * kv, S, dh)                           # (B, kv, S, dh) -> (B*kv, S, dh)
-    # Each head's T rows need the same (T, S) mask, whichever head: tile stacks g copies, one per head of a block.
-    mask = causal_mask(T, S, q.dtype).tile(g, 1)           # (T, S) -> (g*T, S)
     # bmm: one matrix product per block of the stack, so its K/V head is read once for all g query heads.
-    scores = torch.baddbmm(mask, q, k.transpose(1, 2))     # baddbmm(M, X, Y) = M + X @ Y, each block: (B*kv, g*T, S)
+    if T == 1:                                             # a decode step: its one new token sees every key, no mask
+        scores = torch.bmm(q, k.transpose(1, 2))           # (B*kv, g, dh) @ (B*kv, dh, S) -> (B*kv, g, S)
+    else:                                                  # every head's T rows need the same mask: g copies
+        mask = causal_mask(T, S, q.dtype).tile(g, 1)       # (T, S) -> (g*T, S)
+        scores = torch.baddbmm(mask, q, k.transpose(1, 2))   # baddbmm(M, X, Y) = M + X @ Y, each block: (B*kv, g*T, S)
     p = scores.softmax(dim=-1)                             # (B*kv, g*T, S): each row sums to 1
     o = torch.bmm(p, v)                                    # (B*kv, g*T, S) @ (B*kv, S, dh) -> (B*kv, g*T, dh)
-    # o and p are new tensors (softmax, bmm), their rows in the stacked order drawn above: a view un-stacks them.
-    return o.view(B, h, T, dh), p.view(B, h, T, S)         # (B*kv, g*T, ...) -> (B, h, T, dh), (B, h, T, S)
+    return o.view(B, h, T, dh), p.view(B, h, T, S)         # un-stacked: (B*kv, g*T, ...) -> (B, h, T, ...)
 
 
 def attend_fused(q, k, v):
@@ -270,7 +271,7 @@ def attend_fused(q, k, v):
 
     softmax(q k^T / sqrt(dh) + mask) v in one call, on attend's stacked rows, (B, kv, g*T, dh). It never stores
     p, which often makes it faster, and can round differently from attend() in the last bit. A decode step (T = 1)
-    needs no mask: a single new token sees every key. Not SDPA's is_causal=True: that lets row i see keys 0 .. i,
+    needs no mask, as in attend. Not SDPA's is_causal=True: that lets row i see keys 0 .. i,
     wrong for the stacked rows after the first head's T, and with a cache (T < S) for every row, whose new token i sits
     at S - T + i. For one head, causal_mask is PyTorch's torch.nn.attention.bias.causal_lower_right(T, S).
     """
@@ -771,7 +772,8 @@ def plot_decode_time(timing, problems):
                   label=f"{kind} floor")
         roof = timing.ceilings(kv, s_max)                  # each row's own roof: its own read rate
         intensity = sorted([2 ** e for e in range(-3, 11)] + [roof.ridge])   # FLOPs per byte, 1/8 .. 1024
-        right.plot(intensity, [min(roof.flops, roof.bandwidth * x) / 1e9 for x in intensity], color=f"C{i}", lw=1)
+        right.plot(intensity, [min(roof.flops, roof.bandwidth * x) / 1e9 for x in intensity], color=f"C{i}",
+                   lw=1 + 1.5 * (len(timing.steps) - 1 - i))   # widest first: a roof under another still shows
         per_byte = flops / decode_bytes(kv, dh, s_max)     # its FLOPs per byte, g / 2
         right.plot([per_byte], [flops / row[-1] / 1e9], "o", ms=8, color=f"C{i}",
                    label=f"{kind}: g / 2 = {h / kv / 2:g} FLOPs per byte; roof {roof.bandwidth / 1e9:.0f} GB/s, "

@@ -150,6 +150,17 @@ def test_attend_is_the_textbook_without_the_copies(T, S):
     assert torch.allclose(p, p_book, atol=1e-12) and torch.allclose(o, o_book, atol=1e-12)
 
 
+def test_a_decode_step_adds_no_mask(monkeypatch):
+    """T = 1: the one new token sees every key, so attend builds no mask (section 5 times that step); T > 1 masks."""
+    calls, real = [], mha.causal_mask
+    monkeypatch.setattr(mha, "causal_mask", lambda T, S, dtype=torch.float32: calls.append((T, S)) or real(T, S, dtype))
+    k, v = torch.randn(1, 2, 9, 8), torch.randn(1, 2, 9, 8)
+    mha.attend(torch.randn(1, 4, 1, 8), k, v)
+    assert calls == []
+    mha.attend(torch.randn(1, 4, 3, 8), k, v)
+    assert calls == [(3, 9)]
+
+
 def test_attends_repl_example_runs_and_agrees_with_the_textbook():
     """The two lines attend's docstring offers for a REPL, run as written, on 50 seeds: rounding only."""
     lines = mha.attend.__doc__.split("To see it in a REPL (from mha import *):")[1].strip().splitlines()[:2]
