@@ -142,6 +142,33 @@ def test_tiny_run_prints_the_estimate_four_tables_with_intervals_and_writes_two_
         assert (out_dir / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
 
 
+def test_the_readme_quotes_the_recorded_default_run():
+    """The README's numbers on what GQA costs are those of the default run LABNOTES.md records (a run takes 10
+    minutes, too long for the suite): table A's MQA line, B's mean-pooled lines and control, the run's time."""
+    with open(os.path.join(ROOT, "README.md")) as f:
+        readme = " ".join(f.read().split("## Next chapters")[1].split())
+    with open(os.path.join(ROOT, "LABNOTES.md")) as f:
+        run = f.read().split("## The default run of quality.py")[1].split("```text\n")[1].split("```")[0]
+    a = run.split("A. From scratch")[1].split("B. Conversion")[0]
+    b = run.split("B. Conversion")[1].split("C. What each head")[0]
+    found_a = {line.split()[0]: line for line in a.splitlines() if line.split()[:1] in ([n] for n in quality.CONFIGS)}
+    mqa = re.search(r"(\+\d\.\d{3}) \[(\+\d\.\d{3}), (\+\d\.\d{3})\]\s+worse than MHA$", found_a["MQA"])
+    assert mqa, found_a["MQA"]
+    assert f"MQA costs {mqa[1]} bits per character (the loss: lower is better) against MHA, 95 % interval " \
+           f"[{mqa[2]}, {mqa[3]}]" in readme
+    assert all("not" in found_a[name].split("]")[-1] for name in ("GQA-2", "GQA-4"))   # "not resolved" in the README
+    steps = re.search(r"then (\d+) steps \((\d+)% of A's\)", b)
+    assert f"then training {steps[1]} steps ({steps[2]} %) more" in readme and f"the same {steps[1]} steps" in readme
+    pooled = {line.split()[0]: line.split("]")[0].split()[-3] for line in b.splitlines()
+              if line.split()[1:3] == ["mean", "pool"]}       # config, "mean pool", right after, +5%, minus the control
+    assert f"GQA-4 ends {pooled['GQA-4']} bits per character and MQA {pooled['MQA']} behind" in readme
+    control = next(line.split() for line in b.splitlines() if "(control)" in line)
+    assert f"moved that MHA itself from {control[2]} to {control[3]}" in readme
+    minutes = float(re.search(r"^time: (\d+\.\d) min", run, re.MULTILINE)[1])
+    low, high = map(int, re.search(r"\(([0-9]+) to ([0-9]+) minutes on 2 cores\)", readme).groups())
+    assert low <= minutes <= high, minutes
+
+
 def test_quick_says_first_that_it_resolves_nothing_then_how_long_it_will_take(tmp_path, capsys, monkeypatch):
     def stop(args, run):
         raise RuntimeError("stopped before training")
