@@ -240,7 +240,7 @@ def attend(q, k, v):
     (attend(q, k, v)[0] - attend_textbook(q, k, v)[0]).abs().max()      # a few 1e-7: rounding, nothing more
     q = torch.arange(4.).view(1, 4, 1, 1).expand(1, 4, 3, 1)            # dh=1, each query its head's number
     q.reshape(1, 2, 2, 3, 1).reshape(2, 6)   # as attend stacks them: block 0 = 0 0 0 1 1 1, block 1 = 2 2 2 3 3 3
-    Bits: with g = 1 (MHA) nothing is stacked: nn.MultiheadAttention's operations in its order, the same bits.
+    Bits: with g = 1 (MHA) and T > 1 nothing is stacked: nn.MultiheadAttention's operations in its order, same bits.
     """
     B, h, T, dh = q.shape
     kv, S = k.shape[1], k.shape[2]

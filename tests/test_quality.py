@@ -156,7 +156,8 @@ def test_the_readme_quotes_the_recorded_default_run():
     assert mqa, found_a["MQA"]
     assert f"MQA costs {mqa[1]} bits per character (the loss: lower is better) against MHA, 95 % interval " \
            f"[{mqa[2]}, {mqa[3]}]" in readme
-    assert all("not" in found_a[name].split("]")[-1] for name in ("GQA-2", "GQA-4"))   # "not resolved" in the README
+    assert all("not" in found_a[name].split("]")[-1] for name in ("GQA-2", "GQA-4"))
+    assert "the smaller costs of GQA-2 and GQA-4 are not resolved" in readme
     steps = re.search(r"then (\d+) steps \((\d+)% of A's\)", b)
     assert f"then training {steps[1]} steps ({steps[2]} %) more" in readme and f"the same {steps[1]} steps" in readme
     pooled = {line.split()[0]: line.split("]")[0].split()[-3] for line in b.splitlines()

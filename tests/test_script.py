@@ -99,7 +99,7 @@ def test_readme_prose_quotes_the_quoted_decode_table():
     assert f"the reading takes {mha_bytes / 20e9 * 1e3:.1f} ms and the arithmetic {flops / 100e9 * 1e3:.1f} ms" in prose
     assert f"MQA reads {mha_bytes // mqa_bytes} times less ({mqa_bytes / 20e9 * 1e3:.1f} ms)" in prose
     ridges = [float(row[3]) for row in rows.values()]
-    assert f"the ridge, FLOP rate / read rate: {min(ridges):.0f} to {max(ridges):.0f} in the run drawn" in prose
+    assert f"the ridge, FLOP rate / read rate: {min(ridges):.1f} to {max(ridges):.1f} in the run drawn" in prose
     assert rows["MHA"][1] == "0.5" and rows["MHA"][4] == "memory", rows["MHA"]   # what the paragraph says of that run
     assert rows["MQA"][1] == "16.0" and rows["MQA"][4] == "compute", rows["MQA"]
 
