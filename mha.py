@@ -258,8 +258,8 @@ def attend(q, k, v):
     # bmm: one matrix product per block of the stack, so its K/V head is read once for all g query heads.
     if T == 1:                                             # a decode step: its one new token sees every key, no mask
         scores = torch.bmm(q, k.transpose(1, 2))           # (B*kv, g, dh) @ (B*kv, dh, S) -> (B*kv, g, S)
-    else:                                                  # every head's T rows need the same mask: g copies
-        mask = causal_mask(T, S, q.dtype).tile(g, 1)       # (T, S) -> (g*T, S)
+    else:                                                  # rows go head by head, each head's T the same mask:
+        mask = causal_mask(T, S, q.dtype).tile(g, 1)       # (T, S) -> (g*T, S): g whole copies (tile, not interleave)
         scores = torch.baddbmm(mask, q, k.transpose(1, 2))   # baddbmm(M, X, Y) = M + X @ Y, each block: (B*kv, g*T, S)
     p = scores.softmax(dim=-1)                             # (B*kv, g*T, S): each row sums to 1
     o = torch.bmm(p, v)                                    # (B*kv, g*T, S) @ (B*kv, S, dh) -> (B*kv, g*T, dh)
