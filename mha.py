@@ -271,9 +271,9 @@ def attend_fused(q, k, v):
 
     softmax(q k^T / sqrt(dh) + mask) v in one call, on attend's stacked rows, (B, kv, g*T, dh). It never stores
     p, which often makes it faster, and can round differently from attend() in the last bit. A decode step (T = 1)
-    needs no mask, as in attend. Not SDPA's is_causal=True: that lets row i see keys 0 .. i,
-    wrong for the stacked rows after the first head's T, and with a cache (T < S) for every row, whose new token i sits
-    at S - T + i. For one head, causal_mask is PyTorch's torch.nn.attention.bias.causal_lower_right(T, S).
+    needs no mask, as in attend. Not SDPA's is_causal=True: that lets row i see keys 0 .. i, wrong for the stacked
+    rows after the first head's T, and with a cache (T < S) for every row, whose new token i sits at S - T + i.
+    For one head, causal_mask is PyTorch's torch.nn.attention.bias.causal_lower_right(T, S).
     """
     B, h, T, dh = q.shape
     kv, S = k.shape[1], k.shape[2]

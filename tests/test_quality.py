@@ -151,7 +151,7 @@ def test_the_readme_quotes_the_recorded_default_run():
         run = f.read().split("## The default run of quality.py")[1].split("```text\n")[1].split("```")[0]
     a = run.split("A. From scratch")[1].split("B. Conversion")[0]
     b = run.split("B. Conversion")[1].split("C. What each head")[0]
-    found_a = {line.split()[0]: line for line in a.splitlines() if line.split()[:1] in ([n] for n in quality.CONFIGS)}
+    found_a = rows(a, quality.CONFIGS)
     mqa = re.search(r"(\+\d\.\d{3}) \[(\+\d\.\d{3}), (\+\d\.\d{3})\]\s+worse than MHA$", found_a["MQA"])
     assert mqa, found_a["MQA"]
     assert f"MQA costs {mqa[1]} bits per character (the loss: lower is better) against MHA, 95 % interval " \
