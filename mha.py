@@ -299,12 +299,14 @@ def to_torch(attn):
     are repeated for its g query heads: query head i gets K/V head i // g, [k0, k0, k1, k1], as in attend.
     """
     h, kv, dh = attn.n_heads, attn.n_kv_heads, attn.d_head
+    g = h // kv
 
     def widen(t):                                      # a weight's rows (or a bias's), (h + 2kv) dh -> 3 h dh
         q, k, v = t.split([h * dh, kv * dh, kv * dh])
-        k = k.unflatten(0, (kv, dh)).repeat_interleave(h // kv, dim=0)   # (kv dh, d) -> (kv, dh, d) -> (h, dh, d)
-        v = v.unflatten(0, (kv, dh)).repeat_interleave(h // kv, dim=0)   # the same; a bias (kv dh,) -> (h, dh)
-        return torch.cat([q, k.flatten(0, 1), v.flatten(0, 1)])          # (3 h dh, d) or (3 h dh,)
+        k_heads, v_heads = k.split(dh), v.split(dh)    # kv blocks of dh rows, a block per K/V head
+        k = torch.cat([k_heads[i // g] for i in range(h)])   # query head i reads K/V head i // g: kv dh -> h dh rows
+        v = torch.cat([v_heads[i // g] for i in range(h)])   # [v0, v0, v1, v1] for h=4, kv=2, as in attend_textbook
+        return torch.cat([q, k, v])                    # (3 h dh, d), or (3 h dh,) for a bias
 
     ref = nn.MultiheadAttention(attn.d_model, h, bias=attn.in_proj.bias is not None, batch_first=True,
                                 dtype=attn.in_proj.weight.dtype)
