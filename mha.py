@@ -211,18 +211,17 @@ def check_cache(n_kv_heads, seed):
         ok &= (n == want)
         print(f"  {attention_kind(N_HEADS, kv):<5} {max_len}-token cache, one layer, batch 1: {n:>9,} bytes allocated, "
               f"{want:>9,} by the formula  {'OK' if n == want else 'FAIL'}")
-
-    # Feed a prompt as one chunk, then the rest one token at a time; compare with one forward over all.
+    # Feed a prompt, 2 tokens at once (causal_mask's second example), then one at a time; vs one forward over all.
     attn = random_module(n_kv_heads, seed + 2)             # the demo's shape, random weights (after main())
     x = torch.randn(BATCH, SEQ_LEN, D_MODEL)               # (B, T, d)
     cache = attn.new_cache(BATCH, SEQ_LEN)                 # room for all SEQ_LEN tokens of each sequence
-    prompt = SEQ_LEN // 2                                  # tokens fed at once, before one at a time
+    prompt = SEQ_LEN // 2
+    ends = [prompt, *range(min(prompt + 2, SEQ_LEN), SEQ_LEN + 1)]   # where each chunk ends: 6, 8, 9, 10, 11, 12
     with torch.no_grad():
         full = attn(x)
-        steps = [attn(x[:, :prompt], cache=cache)]
-        steps += [attn(x[:, t:t + 1], cache=cache) for t in range(prompt, SEQ_LEN)]
+        steps = [attn(x[:, cache.length:end], cache=cache) for end in ends]   # each chunk starts where the cache ends
     diff = relative_diff(torch.cat(steps, dim=1), full)    # max |a - b| / max |b|; it and report() after main()
-    print(f"  {attention_kind(N_HEADS, n_kv_heads)} cache fed {prompt} tokens, then {SEQ_LEN - prompt} one at a time:")
+    print(f"  {attention_kind(N_HEADS, n_kv_heads)} cache fed chunks of {[step.shape[1] for step in steps]} tokens:")
     ok &= report("      max |cached - full forward| / max |full forward|", diff, 1e-5)
     textbook = max_diff_vs_copying(attn, x)               # max |y - y through attend_textbook| (after main())
     return ok & report(f"{attention_kind(N_HEADS, n_kv_heads):<5} max |attend - textbook|, K/V copied", textbook, 2e-6)
@@ -394,10 +393,9 @@ def run_checks(n_kv_heads, seed):
 # E.g. Llama-7B's MHA at 8192 tokens, fp32: 134 MFLOP on 268 MB. At 20 GB/s and 100 GFLOP/s the read takes
 # 13.4 ms and the arithmetic 1.3 ms: the step waits on memory. MQA reads 32x fewer bytes (0.4 ms), so its FLOPs decide.
 # Which one decides is told by the FLOPs per byte, 4 h S dh / (2 kv S dh x 4 bytes) = h / (2 kv) = g / 2 in
-# fp32, against the ridge, FLOP rate / read rate: below it the bytes decide, above it the FLOPs. Both rates
-# are measured in the same run: a 512x512 matmul, and a timed sum of each step's own K and V (one addition
-# per number read, so its time is the reading). Each row gets its own read rate: MQA's 8 MB may come partly
-# from the CPU's caches, MHA's 268 MB cannot. These are rates this CPU reached, not its peaks: an estimate.
+# fp32, against the ridge, FLOP rate / read rate: below it the bytes decide, above it the FLOPs. Both rates are
+# measured in the run, as rates this CPU reached, not its peaks: a 512x512 matmul, and a sum over each step's own
+# K and V (one addition per number read; a few MB may come partly from the CPU's caches, hundreds of MB cannot).
 def decode_flops(n_heads, d_head, S):
     """FLOPs of one new token's attention over S keys: 4 h S dh.  decode_flops(32, 128, 4096) == 67108864"""
     return 4 * n_heads * S * d_head

@@ -100,8 +100,8 @@ def test_readme_prose_quotes_the_quoted_decode_table():
     assert f"MQA reads {mha_bytes // mqa_bytes} times less ({mqa_bytes / 20e9 * 1e3:.1f} ms)" in prose
     _, gpu_flops, gpu_bandwidth = mha.GPU
     assert f"near {round(gpu_flops / gpu_bandwidth, -2):.0f} on a GPU" in prose
-    assert rows["MHA"][1] == "0.5" and rows["MHA"][4] == "memory", rows["MHA"]   # what the paragraph says of that run
-    assert rows["MQA"][1] == "16.0" and rows["MQA"][4] == "compute", rows["MQA"]
+    assert rows["MHA"][1] == "0.5" and rows["MHA"][4] == "memory", rows["MHA"]   # the paragraph: MHA waits on memory
+    assert rows["MQA"][1] == "16.0" and rows["MQA"][4] == "compute", rows["MQA"]   # MQA's arithmetic decides
     assert "on a 2-core Intel Xeon, printed at 8192 tokens" in prose and "Intel(R) Xeon(R)" in section5
     assert "At 8192 tokens:" in section5
 
@@ -204,7 +204,7 @@ def test_a_batch_of_one_checks_only_what_is_exact(monkeypatch, capsys):
 def test_the_shortest_sequence_works(monkeypatch, capsys):
     monkeypatch.setattr(mha, "SEQ_LEN", 2)
     assert mha.run_checks(2, 0) and mha.check_cache(2, 0)
-    assert "cache fed 1 tokens, then 1 one at a time" in capsys.readouterr().out
+    assert "cache fed chunks of [1, 1] tokens:" in capsys.readouterr().out
 
 
 def test_help_shows_the_defaults(capsys):
@@ -390,7 +390,8 @@ def edited_copy(old, new, tmp_path, told=None):
     with open(SCRIPT) as f:
         src = f.read()
     assert old in src, f"the README's edit no longer applies: {old!r} is not in mha.py"
-    assert f"`{new}`" in (things_to_try() if told is None else told), f"the edit {new!r} is no longer given"
+    told = things_to_try() if told is None else told
+    assert f"`{new}`" in told, f"the edit {new!r} is no longer given"
     path = tmp_path / "mha_edited.py"
     path.write_text(src.replace(old, new))
     spec = importlib.util.spec_from_file_location("mha_edited", path)
@@ -444,12 +445,13 @@ def test_try_repeat_instead_of_repeat_interleave(capsys, tmp_path):
 
 
 def test_try_the_exact_check_on_the_whole_batch(capsys, tmp_path):
-    """LABNOTES.md's edit, once the README's. The edited check may FAIL by a few units in the last place: whether nn.MultiheadAttention's route for a
-    batch (the bias added after the product, rows stacked (T, B)) rounds like ours depends on the CPU's MKL path
-    (AMD EPYC: 2.38e-07). What holds on every CPU: each exact line says FAIL exactly when it measured a
-    difference, and the difference is tiny."""
+    """LABNOTES.md's edit, once the README's. The edited check may FAIL by a few units in the last place:
+    whether nn.MultiheadAttention's route for a batch (the bias added after the product, rows stacked (T, B))
+    rounds like ours depends on the CPU's MKL path (AMD EPYC: 2.38e-07). What holds on every CPU: each exact
+    line says FAIL exactly when it measured a difference, and the difference is tiny."""
     with open(os.path.join(ROOT, "LABNOTES.md")) as f:
-        notes = f.read()
+        notes = " ".join(f.read().split())
+    assert "change `one = x[:1]` to `one = x` in `run_checks`" in notes
     m = edited_copy("one = x[:1]", "one = x", tmp_path, told=notes)
     ok = m.run_checks(4, 0)
     out = capsys.readouterr().out
