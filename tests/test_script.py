@@ -81,6 +81,11 @@ def test_readme_quotes_the_real_output(two_runs):
     assert q_last == r_last and q_figures.split(": ")[1:] == r_figures.split(": ")[1:]     # the folder differs
 
 
+def test_the_readme_is_a_learners_length():
+    """Issue 20's ceiling for the README: at most 16,000 bytes (what does not fit goes to LABNOTES.md)."""
+    assert os.path.getsize(os.path.join(ROOT, "README.md")) <= 16_000
+
+
 def test_readme_prose_quotes_the_quoted_decode_table():
     """The section 5 bullet's worked example is the formulas' arithmetic, what it says of MHA and MQA is what the
     quoted run found, and the table it shows is lines of that run, as printed."""
