@@ -208,7 +208,7 @@ def check_cache(n_kv_heads, seed):
         cache = CausalMHA(D_MODEL, N_HEADS, kv).new_cache(batch=1, max_len=max_len)
         n = cache.k.nbytes + cache.v.nbytes                # the bytes its K and V tensors hold
         want = kv_cache_bytes(1, kv, D_MODEL // N_HEADS, max_len, bytes_per_elem=4)
-        ok &= (n == want)
+        ok &= (n == want)                                  # ok stays True only while every check passes
         print(f"  {attention_kind(N_HEADS, kv):<5} {max_len}-token cache, one layer, batch 1: {n:>9,} bytes allocated, "
               f"{want:>9,} by the formula  {'OK' if n == want else 'FAIL'}")
     # Feed a prompt, 2 tokens at once (causal_mask's second example), then one at a time; vs one forward over all.

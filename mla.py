@@ -212,11 +212,13 @@ def absorbed_vs_naive(attn, x):
 
 
 def cached_vs_full(attn, x, absorbed, prompt):
-    """Feed `prompt` tokens as one chunk, then the rest one at a time; relative difference to one full forward."""
-    cache = attn.new_cache(x.shape[0], x.shape[1])
+    """Feed `prompt` tokens as one chunk, 2 at once (new tokens behind cached ones: the mask's offset), then the
+    rest one at a time, as mha.check_cache does; relative difference to one full forward."""
+    T = x.shape[1]
+    ends = [prompt, *range(min(prompt + 2, T), T + 1)]    # where each chunk ends: 6, 8, 9, 10, 11, 12
+    cache = attn.new_cache(x.shape[0], T)
     with torch.no_grad():
-        steps = [attn(x[:, :prompt], cache=cache, absorbed=absorbed)]
-        steps += [attn(x[:, t:t + 1], cache=cache, absorbed=absorbed) for t in range(prompt, x.shape[1])]
+        steps = [attn(x[:, cache.length:end], cache=cache, absorbed=absorbed) for end in ends]   # (B, chunk, d)
         return mha.relative_diff(torch.cat(steps, dim=1), attn(x, absorbed=absorbed))
 
 
@@ -260,8 +262,8 @@ def run_checks(seed):
     ok &= mha.report("float32: the same, exact in algebra but not rounding", absorbed_vs_naive(attn32, x32), 1e-5)
     ok &= mha.report("decode step vs MQA: key [c; k_R], value c (float64)", mqa_identity_gap(attn64, x64), 1e-12)
     prompt = SEQ_LEN // 2
-    print(f"  cached, float32: {prompt} tokens in one chunk, then {SEQ_LEN - prompt} one at a time, against one "
-          "full forward")
+    print(f"  cached, float32: {prompt} tokens in one chunk, {min(2, SEQ_LEN - prompt)} at once, then one at a time, "
+          "against one full forward")
     for absorbed in (False, True):
         label = f"  {'absorbed' if absorbed else 'naive':<9} max |cached - full| / max |full|"
         ok &= mha.report(label, cached_vs_full(attn32, x32, absorbed, prompt), 1e-5)
