@@ -216,7 +216,7 @@ def check_cache(n_kv_heads, seed):
     x = torch.randn(BATCH, SEQ_LEN, D_MODEL)               # (B, T, d)
     cache = attn.new_cache(BATCH, SEQ_LEN)                 # room for all SEQ_LEN tokens of each sequence
     prompt = SEQ_LEN // 2
-    ends = [prompt, *range(min(prompt + 2, SEQ_LEN), SEQ_LEN + 1)]   # where each chunk ends: 6, 8, 9, 10, 11, 12
+    ends = [prompt, *range(min(prompt + 2, SEQ_LEN), SEQ_LEN + 1)]   # chunk ends; SEQ_LEN = 12: 6, 8, 9, 10, 11, 12
     with torch.no_grad():
         full = attn(x)
         steps = [attn(x[:, cache.length:end], cache=cache) for end in ends]   # each chunk starts where the cache ends
@@ -295,7 +295,7 @@ def to_torch(attn):
     """The nn.MultiheadAttention computing the same function as attn, its K/V heads copied out to h heads.
 
     For MHA the exact inverse of from_torch. For GQA/MQA each K/V head's dh rows of weights (and bias)
-    are repeated for its g query heads: query head i gets K/V head i // g, [k0, k0, k1, k1], as in attend.
+    are repeated for its g query heads: query head i gets K/V head i // g, [k0, k0, k1, k1], as in attend_textbook.
     """
     h, kv, dh = attn.n_heads, attn.n_kv_heads, attn.d_head
     g = h // kv

@@ -212,6 +212,27 @@ def test_the_shortest_sequence_works(monkeypatch, capsys):
     assert "cache fed chunks of [1, 1] tokens:" in capsys.readouterr().out
 
 
+def test_section_3_catches_a_mask_without_its_offset(monkeypatch, capsys):
+    """causal_mask's S - T (new token i sits at S - T + i) is used by section 3's 2-token chunk after the prompt:
+    a mask that forgets the cached tokens must say FAIL there. The textbook line (T == S) cannot see it."""
+    def without_offset(T, S, dtype=torch.float32):
+        future = torch.arange(S) > torch.arange(T).unsqueeze(1)           # (T, S): key j after token i, from 0
+        return torch.zeros(T, S, dtype=dtype).masked_fill(future, float("-inf"))
+    monkeypatch.setattr(mha, "causal_mask", without_offset)
+    assert not mha.check_cache(4, 0)
+    out = capsys.readouterr().out
+    assert "cache fed chunks of [6, 2, 1, 1, 1, 1] tokens:" in out
+    assert line_with(out, "max |cached - full forward|").endswith("FAIL  (tolerance 1e-05)")
+    assert line_with(out, "GQA-4 max |attend - textbook|").endswith("OK  (tolerance 2e-06)")
+
+
+def test_a_short_sequence_is_fed_in_chunks_that_add_up(monkeypatch, capsys):
+    for n, chunks in [(3, "[1, 2]"), (5, "[2, 2, 1]"), (7, "[3, 2, 1, 1]")]:
+        monkeypatch.setattr(mha, "SEQ_LEN", n)
+        assert mha.check_cache(4, 0)
+        assert f"cache fed chunks of {chunks} tokens:" in capsys.readouterr().out
+
+
 def test_help_shows_the_defaults(capsys):
     code, out, _ = run_main(["--help"], capsys)
     assert code == 0 and f"default: {mha.N_KV_HEADS}" in out and "--out-dir" in out and "--seed" in out
