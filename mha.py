@@ -237,7 +237,7 @@ def attend(q, k, v):
     draws it on a toy, and section 3's last line checks it. To see it in a REPL (from mha import *):
     q, k, v = torch.randn(1, 4, 3, 8), torch.randn(1, 2, 3, 8), torch.randn(1, 2, 3, 8)   # h=4, kv=2, T=3
     (attend(q, k, v)[0] - attend_textbook(q, k, v)[0]).abs().max()      # a few 1e-7: rounding, nothing more
-    q = torch.arange(4.).view(1, 4, 1, 1).expand(1, 4, 3, 1)            # dh=1, each query its head's number
+    q = torch.tensor([0., 0, 0, 1, 1, 1, 2, 2, 2, 3, 3, 3]).view(1, 4, 3, 1)   # dh=1: head i's 3 queries are i
     q.reshape(1, 2, 2, 3, 1).reshape(2, 6)   # as attend stacks them: block 0 = 0 0 0 1 1 1, block 1 = 2 2 2 3 3 3
     Bits: with g = 1 (MHA) and T > 1 nothing is stacked: nn.MultiheadAttention's operations in its order, same bits.
     """
