@@ -220,11 +220,14 @@ def check_cache(n_kv_heads, seed):
     with torch.no_grad():
         full = attn(x)
         steps = [attn(x[:, cache.length:end], cache=cache) for end in ends]   # each chunk starts where the cache ends
-    diff = relative_diff(torch.cat(steps, dim=1), full)    # max |a - b| / max |b|; it and report() after main()
     print(f"  {attention_kind(N_HEADS, n_kv_heads)} cache fed chunks of {[step.shape[1] for step in steps]} tokens:")
+    diff = relative_diff(torch.cat(steps, dim=1), full)    # max |a - b| / max |b|; it and report() after main()
     ok &= report("      max |cached - full forward| / max |full forward|", diff, 1e-5)
-    textbook = max_diff_vs_copying(attn, x)               # max |y - y through attend_textbook| (after main())
-    return ok & report(f"{attention_kind(N_HEADS, n_kv_heads):<5} max |attend - textbook|, K/V copied", textbook, 2e-6)
+    q = torch.randn(BATCH, N_HEADS, SEQ_LEN, D_MODEL // N_HEADS)            # random q: (B, h, T, dh)
+    k, v = torch.randn(2, BATCH, n_kv_heads, SEQ_LEN, D_MODEL // N_HEADS)   # random k and v: (B, kv, T, dh) each
+    textbook = relative_diff(attend(q, k, v)[0], attend_textbook(q, k, v)[0])   # forward's attend, and with copies
+    label = f"{attention_kind(N_HEADS, n_kv_heads):<5} max |attend - textbook| / max |textbook|"
+    return ok & report(label, textbook, 2e-6)
 
 
 # ----------------------------------------------------------------------------- a second pass: attend, checks vs PyTorch
@@ -268,11 +271,10 @@ def attend(q, k, v):
 def attend_fused(q, k, v):
     """The same attention in one fused call, the one nn.MultiheadAttention(need_weights=False) makes on a float mask.
 
-    softmax(q k^T / sqrt(dh) + mask) v in one call, on attend's stacked rows, (B, kv, g*T, dh). It never stores
-    p, which often makes it faster, and can round differently from attend() in the last bit. A decode step (T = 1)
-    needs no mask, as in attend. Not SDPA's is_causal=True: that lets row i see keys 0 .. i, wrong for the stacked
-    rows after the first head's T, and with a cache (T < S) for every row, whose new token i sits at S - T + i.
-    For one head, causal_mask is PyTorch's torch.nn.attention.bias.causal_lower_right(T, S).
+    softmax(q k^T / sqrt(dh) + mask) v on attend's stacked rows, (B, kv, g*T, dh); no mask at T = 1, as in attend.
+    It never stores p, which often makes it faster, and can round differently from attend() in the last bit. Not
+    SDPA's is_causal=True: that lets row i see keys 0 .. i, wrong for the stacked rows after the first head's T,
+    and with a cache (T < S) for every row, whose new token i sits at S - T + i (nn.attention.bias.causal_lower_right).
     """
     B, h, T, dh = q.shape
     kv, S = k.shape[1], k.shape[2]
@@ -375,7 +377,7 @@ def run_checks(n_kv_heads, seed):
     ok &= report(f"{kind:<5} written out vs nn.MHA, K/V heads repeated", y_diff, 2e-6)
     ok &= report(f"{kind:<5} the same, per-head weights", w_diff, 2e-6)
     ok &= report(f"{kind:<5} fused vs that nn.MHA(need_weights=False)", max_diff_vs_torch(ours, x, fused=True)[0], 2e-6)
-    sdpa = max_diff_vs_copying(ours, x, sdpa=True)         # the textbook was section 3's; F.sdpa broadcasts K/V
+    sdpa = max_diff_vs_sdpa(ours, x)                       # the textbook was section 3's; F.sdpa broadcasts K/V
     ok &= report(f"{kind:<5} written out vs F.sdpa(enable_gqa=True)", sdpa, 2e-6)
 
     # A check that cannot fail proves nothing: a wrong copy must exceed the batch line's tolerance, not only 0.
@@ -392,10 +394,9 @@ def run_checks(n_kv_heads, seed):
 #     floor = max(bytes / read rate, FLOPs / FLOP rate)                                  (the roofline)
 # E.g. Llama-7B's MHA at 8192 tokens, fp32: 134 MFLOP on 268 MB. At 20 GB/s and 100 GFLOP/s the read takes
 # 13.4 ms and the arithmetic 1.3 ms: the step waits on memory. MQA reads 32x fewer bytes (0.4 ms), so its FLOPs decide.
-# Which one decides is told by the FLOPs per byte, 4 h S dh / (2 kv S dh x 4 bytes) = h / (2 kv) = g / 2 in
-# fp32, against the ridge, FLOP rate / read rate: below it the bytes decide, above it the FLOPs. Both rates are
-# measured in the run, as rates this CPU reached, not its peaks: a 512x512 matmul, and a sum over each step's own
-# K and V (one addition per number read; a few MB may come partly from the CPU's caches, hundreds of MB cannot).
+# Which one decides: the FLOPs per byte, 4 h S dh / (2 kv S dh x 4 bytes) = g / 2 in fp32, against the ridge,
+# FLOP rate / read rate: below it the bytes decide, above it the FLOPs. Both rates are measured in the run, as rates
+# this CPU reached, not its peaks: a 512x512 matmul, and a sum over each step's own K and V (an add per number read).
 def decode_flops(n_heads, d_head, S):
     """FLOPs of one new token's attention over S keys: 4 h S dh.  decode_flops(32, 128, 4096) == 67108864"""
     return 4 * n_heads * S * d_head
@@ -440,7 +441,6 @@ def main(argv=None):
     timing = measure_decode(DECODE_CONTEXTS, LLAMA_KV_HEADS, DECODE_ROUNDS)
     problems = timing_contradictions(timing)              # timings that contradict each other: a busy machine
     print_decode_table(timing, problems)
-
     figures = [plot_attention_maps(kv, args.seed), plot_cache_sizes(kv), plot_head_layout(kv), plot_stacking(),
                plot_decode_time(timing, problems)]                  # in the order of FIGURES, their file names
     if not write_figures("mha.py", args.out_dir, {name: png_bytes(fig) for name, fig in zip(FIGURES, figures)}):
@@ -451,8 +451,8 @@ def main(argv=None):
 
 
 # ----------------------------------------------------------------------------- helpers of the checks
-def max_diff_vs_copying(attn, x, sdpa=False):
-    """max |ours - ref| for a reference that copies or broadcasts K/V: attend_textbook, or F.sdpa with sdpa=True."""
+def max_diff_vs_sdpa(attn, x):
+    """max |ours - F.sdpa(enable_gqa=True)|: PyTorch's own call for GQA, which broadcasts K/V to the query heads."""
     B, T, _ = x.shape
     h, kv, dh = attn.n_heads, attn.n_kv_heads, attn.d_head
     with torch.no_grad():
@@ -461,10 +461,8 @@ def max_diff_vs_copying(attn, x, sdpa=False):
         q = q.view(B, T, h, dh).transpose(1, 2)            # (B, T, h, dh) -> (B, h, T, dh)
         k = k.view(B, T, kv, dh).transpose(1, 2)           # (B, T, kv, dh) -> (B, kv, T, dh)
         v = v.view(B, T, kv, dh).transpose(1, 2)           # (B, T, kv, dh) -> (B, kv, T, dh)
-        if sdpa:                                           # is_causal=True is right here: T == S, nothing stacked
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)   # (B, h, T, dh)
-        else:
-            o = attend_textbook(q, k, v)[0]                # (B, h, T, dh)
+        # is_causal=True is right here: T == S, nothing stacked
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)   # (B, h, T, dh)
         y_ref = attn.out_proj(o.transpose(1, 2).reshape(B, T, h * dh))   # (B, h, T, dh) -> (B, T, d)
     return (y - y_ref).abs().max().item()
 
