@@ -273,8 +273,8 @@ def attend_fused(q, k, v):
 
     softmax(q k^T / sqrt(dh) + mask) v on attend's stacked rows, (B, kv, g*T, dh); no mask at T = 1, as in attend.
     It never stores p, which often makes it faster, and can round differently from attend() in the last bit. Not
-    SDPA's is_causal=True: that lets row i see keys 0 .. i, wrong for the stacked rows after the first head's T,
-    and with a cache (T < S) for every row, whose new token i sits at S - T + i (nn.attention.bias.causal_lower_right).
+    SDPA's is_causal=True: it lets row i see keys 0 .. i, wrong for stacked rows after the first head's T and, with
+    a cache (T < S), for all rows. For one head, causal_mask(T, S) is torch.nn.attention.bias.causal_lower_right(T, S).
     """
     B, h, T, dh = q.shape
     kv, S = k.shape[1], k.shape[2]

@@ -163,13 +163,15 @@ def test_cached_check_sees_a_wrong_position():
 
 
 def test_cached_check_sees_a_mask_without_its_offset(monkeypatch):
-    """A causal mask that forgets the cached tokens (new token i at i, not S - T + i) must fail the printed check:
-    the chunks after the prompt use the offset (here even single tokens: mla adds its mask at T = 1 too)."""
+    """A causal mask that forgets the cached tokens (new token i at i, not S - T + i) must fail the printed check.
+    The naive path masks single tokens too, so it would see it anyway; the absorbed one, like mha.attend, adds no
+    mask at T = 1, and only the 2-token chunk after the prompt uses the offset there."""
     monkeypatch.setattr(mha, "causal_mask", lambda T, S, dtype=torch.float32: mask_without_offset(T, S, dtype))
     attn = module(dtype=torch.float32)
     x = inputs(attn, T=12)
     for absorbed in (False, True):
         assert mla.cached_vs_full(attn, x, absorbed, [6, 8, 9, 10, 11, 12]) > 1e-2
+    assert mla.cached_vs_full(attn, x, True, [6, 7, 8, 9, 10, 11, 12]) < 1e-5     # single tokens alone: not seen
 
 
 def mask_without_offset(T, S, dtype):
@@ -414,6 +416,7 @@ def test_default_run_prints_every_check(default_run):
     assert r.returncode == 0 and r.stderr == "", r.stderr
     assert r.stdout.count("  OK  (tolerance") == 5 and "DETECTED, as it must be" in r.stdout
     assert "512-token cache: 294,912 bytes allocated, 294,912 by the formula" in r.stdout
+    assert "cached, float32: chunks of [6, 2, 1, 1, 1, 1] tokens, against one full forward" in r.stdout
     assert "latent_cache_bytes(60, 512, 64, 4096)\n   = 283,115,520 bytes = 0.28 GB, against 16.1 GB" in r.stdout
     assert "   DeepSeek-V2           60  128  16.11 GB  1.01 GB  0.13 GB   0.28 GB       20.13 GB       56.9x" in r.stdout
     assert "3. Decode step" in r.stdout and mha.machine_name().split(",")[0] in r.stdout
