@@ -62,3 +62,9 @@ def gqa_module(d, h, kv, dtype=torch.float32, seed=0):
     import mha
     torch.manual_seed(seed)
     return mha.random_biases(mha.CausalMHA(d, h, kv).to(dtype))
+
+
+def mask_without_offset(T, S, dtype=torch.float32):
+    """causal_mask with a planted bug: new token i at position i, not S - T + i (it forgets the cached tokens)."""
+    future = torch.arange(S) > torch.arange(T).unsqueeze(1)               # (T, S): key j after token i, from 0
+    return torch.zeros(T, S, dtype=dtype).masked_fill(future, float("-inf"))

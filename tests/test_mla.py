@@ -166,17 +166,12 @@ def test_cached_check_sees_a_mask_without_its_offset(monkeypatch):
     """A causal mask that forgets the cached tokens (new token i at i, not S - T + i) must fail the printed check.
     The naive path masks single tokens too, so it would see it anyway; the absorbed one, like mha.attend, adds no
     mask at T = 1, and only the 2-token chunk after the prompt uses the offset there."""
-    monkeypatch.setattr(mha, "causal_mask", lambda T, S, dtype=torch.float32: mask_without_offset(T, S, dtype))
+    monkeypatch.setattr(mha, "causal_mask", conftest.mask_without_offset)
     attn = module(dtype=torch.float32)
     x = inputs(attn, T=12)
     for absorbed in (False, True):
         assert mla.cached_vs_full(attn, x, absorbed, [6, 8, 9, 10, 11, 12]) > 1e-2
     assert mla.cached_vs_full(attn, x, True, [6, 7, 8, 9, 10, 11, 12]) < 1e-5     # single tokens alone: not seen
-
-
-def mask_without_offset(T, S, dtype):
-    future = torch.arange(S) > torch.arange(T).unsqueeze(1)               # (T, S): key j after token i, from 0
-    return torch.zeros(T, S, dtype=dtype).masked_fill(future, float("-inf"))
 
 
 @pytest.mark.parametrize("B, max_len, dtype", [(1, 512, torch.float32), (3, 17, torch.float64), (2, 5, torch.bfloat16)])

@@ -215,10 +215,7 @@ def test_the_shortest_sequence_works(monkeypatch, capsys):
 def test_section_3_catches_a_mask_without_its_offset(monkeypatch, capsys):
     """causal_mask's S - T (new token i sits at S - T + i) is used by section 3's 2-token chunk after the prompt:
     a mask that forgets the cached tokens must say FAIL there. The textbook line (T == S) cannot see it."""
-    def without_offset(T, S, dtype=torch.float32):
-        future = torch.arange(S) > torch.arange(T).unsqueeze(1)           # (T, S): key j after token i, from 0
-        return torch.zeros(T, S, dtype=dtype).masked_fill(future, float("-inf"))
-    monkeypatch.setattr(mha, "causal_mask", without_offset)
+    monkeypatch.setattr(mha, "causal_mask", conftest.mask_without_offset)
     assert not mha.check_cache(4, 0)
     out = capsys.readouterr().out
     assert "cache fed chunks of [6, 2, 1, 1, 1, 1] tokens:" in out
