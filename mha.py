@@ -258,8 +258,8 @@ def attend(q, k, v):
     k = k.reshape(B * kv, S, dh)                           # (B, kv, S, dh) -> (B*kv, S, dh): one K, not g copies
     v = v.reshape(B * kv, S, dh)                           # (B, kv, S, dh) -> (B*kv, S, dh)
     # bmm: one matrix product per block of the stack, so its K/V head is read once for all g query heads.
-    if T == 1:                                             # a decode step: its one new token sees every key, no mask
-        scores = torch.bmm(q, k.transpose(1, 2))           # (B*kv, g, dh) @ (B*kv, dh, S) -> (B*kv, g, S)
+    if T == 1:                                             # a decode step: no mask; k q^T, as it ran faster (LABNOTES)
+        scores = torch.bmm(k, q.transpose(1, 2)).transpose(1, 2)   # (k q^T)^T = q k^T: (B*kv, S, g) -> (B*kv, g, S)
     else:                                                  # rows go head by head, each head's T the same mask:
         mask = causal_mask(T, S, q.dtype).tile(g, 1)       # (T, S) -> (g*T, S): g whole copies (tile, not interleave)
         scores = torch.baddbmm(mask, q, k.transpose(1, 2))   # baddbmm(M, X, Y) = M + X @ Y, each block: (B*kv, g*T, S)
@@ -569,6 +569,7 @@ class DecodeTiming:
 def measure_decode(contexts=DECODE_CONTEXTS, kv_heads=LLAMA_KV_HEADS, rounds=DECODE_ROUNDS):
     """Best-of-rounds times of attend's decode step, a sum of its K/V, and a matmul, interleaved (see LABNOTES)."""
     contexts = tuple(sorted(set(contexts)))
+    keep_freed_memory()                                    # else each step page-faults its scores in anew
     q = torch.randn(1, LLAMA_HEADS, 1, LLAMA_D_HEAD)       # (B, h, 1, dh): one new token
     a = torch.randn(MATMUL_N, MATMUL_N)
     jobs = [("matmul", 0, math.inf, torch.mm, (a, a))]     # (what, kv, S, function, its arguments)
@@ -1000,6 +1001,18 @@ def machine_name():
         name = names[0] if names else name
     threads = torch.get_num_threads()
     return f"{name}, {threads} thread{'s' if threads > 1 else ''}, {torch.backends.cpu.get_cpu_capability()}"
+
+
+def keep_freed_memory():
+    """Have glibc keep freed memory: it hands back each freed block of 128 KiB or more (a step's 1 MB scores), so
+    the next step's page faults (one per 4 KiB) are timed too; a server reuses its buffers. A no-op off glibc."""
+    import ctypes
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(-1, 1 << 30)                          # M_TRIM_THRESHOLD: keep up to 1 GiB free at the top
+        libc.mallopt(-3, 32 << 20)                         # M_MMAP_THRESHOLD: blocks under 32 MiB from the heap
+    except (OSError, AttributeError):                      # no glibc (macOS, Windows, musl)
+        pass
 
 
 def cpu_seconds():

@@ -359,6 +359,7 @@ def measure_decode(contexts, rounds, seed):
             runs.append((Step(mha.attention_kind(h, kv), S, *gqa_step_work(S, h, kv, dh)),
                          (mha.attend, q, *pair[:, :, :, :S]), (pair[:, :, :, :S],)))   # K, V: (B, kv, S, dh)
     a, matmul = torch.randn(mha.MATMUL_N, mha.MATMUL_N), math.inf
+    mha.keep_freed_memory()                                # as mha.py does: no page faults timed
     start = mha.cpu_seconds()
     with torch.no_grad():
         for _ in range(rounds):

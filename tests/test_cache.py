@@ -1,12 +1,13 @@
 """The KV cache: its size by formula and in memory, cached decoding, sharing K/V without copies, the roofline."""
 
+import ctypes
 import subprocess
 import sys
 import time
 
 import pytest
 import torch
-from conftest import gqa_module
+from conftest import ROOT, gqa_module
 from torch.profiler import ProfilerActivity, profile
 
 import mha
@@ -345,6 +346,29 @@ def test_measure_decode_on_tiny_contexts():
     for table in (timing.steps, timing.reads):
         assert list(table) == [32, 1] and all(len(row) == 2 and min(row) > 0 for row in table.values())
     assert 1e8 < timing.ceilings(32, 32).bandwidth < 1e13 and 1e8 < timing.flops < 1e14
+
+
+def test_keep_freed_memory_serves_a_steps_megabyte_blocks_from_the_heap():
+    """In a fresh process glibc maps each block of 128 KiB or more from the kernel and unmaps it when freed, so
+    the next step faults its pages in again: three 1 MB blocks (a decode step's scores, weights, ...) are three
+    mappings. After keep_freed_memory they come from the heap, which keeps them. (glibc 2.33+ only: mallinfo2.)"""
+    import platform
+    if platform.libc_ver()[0] != "glibc" or not hasattr(ctypes.CDLL("libc.so.6"), "mallinfo2"):
+        pytest.skip("keep_freed_memory tunes glibc's malloc only")
+    code = """if True:
+        import ctypes, torch, mha
+        class MallInfo2(ctypes.Structure):
+            _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd",
+                                                             "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallinfo2.restype = MallInfo2
+        mha.keep_freed_memory()
+        before = libc.mallinfo2().hblks                     # blocks mapped from the kernel, one by one
+        blocks = [torch.empty(256 * 1024) for _ in range(3)]   # 1 MB each
+        print(libc.mallinfo2().hblks - before)"""
+    plain, kept = [subprocess.run([sys.executable, "-c", c], capture_output=True, text=True, check=True, cwd=ROOT)
+                   for c in (code.replace("mha.keep_freed_memory()", "pass"), code)]
+    assert (plain.stdout.strip(), kept.stdout.strip()) == ("3", "0")
 
 
 def test_a_busy_machine_is_caught_by_the_real_measurement():
