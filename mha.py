@@ -6,10 +6,9 @@ Multi-head attention, and its grouped-query (GQA) and multi-query (MQA) variants
     where each group of query heads shares one key/value head; 1 is multi-query attention (MQA, Shazeer 2019).
   - The attention written out: one head as the formula reads, softmax(q k^T / sqrt(dh) + mask) v; all heads with
     each K/V head copied (the textbook); attend(), the same without the copies; then PyTorch's fused call.
-  - Sections 1 to 3 of the output: the KV cache of real models in bytes, decoding with a real cache, attend
-    against the textbook. On a second pass, 4: MHA with nn.MultiheadAttention's weights gives its output to the
-    last bit (max difference 0.0) on a sequence, GQA/MQA to 2e-6; 5: a decode step's time against its floor.
-A first pass skips the sections headed "a second pass" (their "Bits:" notes can wait longer). After main(): plumbing.
+  - The output: 1 and 2, the KV cache of real models in bytes; 3, decoding with a real cache, attend against the
+    textbook; on a second pass, 4: MHA with nn.MultiheadAttention's weights gives its output to the last bit (0.0)
+    on a sequence, GQA/MQA to 2e-6; 5: a decode step's time against its floor. A first pass skips "a second pass".
 Not here: training and what GQA costs (quality.py), what may come after GQA (mla.py), dropout, padding, positions.
 Run:    python mha.py  (a few seconds; writes figures/)     python mha.py --n-kv-heads 2  (or edit N_KV_HEADS)
 Papers: Vaswani et al. 2017 (arXiv:1706.03762), Shazeer 2019 (1911.02150), Ainslie et al. 2023 (2305.13245).
@@ -258,8 +257,9 @@ def attend(q, k, v):
     k = k.reshape(B * kv, S, dh)                           # (B, kv, S, dh) -> (B*kv, S, dh): one K, not g copies
     v = v.reshape(B * kv, S, dh)                           # (B, kv, S, dh) -> (B*kv, S, dh)
     # bmm: one matrix product per block of the stack, so its K/V head is read once for all g query heads.
-    if T == 1:                                             # a decode step: no mask; k q^T, as it ran faster (LABNOTES)
-        scores = torch.bmm(k, q.transpose(1, 2)).transpose(1, 2)   # (k q^T)^T = q k^T: (B*kv, S, g) -> (B*kv, g, S)
+    if T == 1:                                             # a decode step: one new token sees every key, no mask
+        # (k q^T)^T is q k^T to rounding; with the long k on the left it ran 1.1-1.6x faster on an AMD EPYC (LABNOTES).
+        scores = torch.bmm(k, q.transpose(1, 2)).transpose(1, 2)   # (B*kv, S, g) -> (B*kv, g, S)
     else:                                                  # rows go head by head, each head's T the same mask:
         mask = causal_mask(T, S, q.dtype).tile(g, 1)       # (T, S) -> (g*T, S): g whole copies (tile, not interleave)
         scores = torch.baddbmm(mask, q, k.transpose(1, 2))   # baddbmm(M, X, Y) = M + X @ Y, each block: (B*kv, g*T, S)
@@ -578,7 +578,9 @@ def measure_decode(contexts=DECODE_CONTEXTS, kv_heads=LLAMA_KV_HEADS, rounds=DEC
         for S in contexts:
             jobs.append(("steps", kv, S, attend, (q, *pair[:, :, :, :S])))   # k, v: (B, kv, S, dh) each
             jobs.append(("reads", kv, S, torch.sum, (pair[:, :, :, :S],)))
-    jobs.sort(key=lambda job: -job[2])                     # longest context first (the sort is stable)
+    # Longest context first; at each, every configuration's read, then every step: other data passes through the
+    # CPU's caches between a step and its own read, so neither finds its K and V there from the other.
+    jobs.sort(key=lambda job: (-job[2], job[0]))
     best = {}
     start = cpu_seconds()                                  # to see what other programs ran meanwhile
     with torch.no_grad():
@@ -1004,8 +1006,10 @@ def machine_name():
 
 
 def keep_freed_memory():
-    """Have glibc keep freed memory: it hands back each freed block of 128 KiB or more (a step's 1 MB scores), so
-    the next step's page faults (one per 4 KiB) are timed too; a server reuses its buffers. A no-op off glibc."""
+    """For the rest of the process, glibc keeps freed memory: left to itself it may unmap a step's freed 1 MB
+    blocks (scores, weights) or trim them off the heap, and the next step pays a page fault per 4 KiB to get
+    them back, which a server reusing its buffers does not. Fixed thresholds also stop glibc's own adjusting
+    of them. A no-op without glibc."""
     import ctypes
     try:
         libc = ctypes.CDLL("libc.so.6")

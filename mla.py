@@ -341,7 +341,7 @@ class Step:                        # one decode step: its work, and the best sec
 
 
 def measure_decode(contexts, rounds, seed):
-    """([Step] by context, the matmul's FLOP/s, the cores other programs kept busy), measured as in mha.py: MLA
+    """([Step] by context, the matmul's FLOP/s, the cores other programs kept busy), measured much as in mha.py: MLA
     (latent_attend), MHA and GQA (mha.attend) at DeepSeek-V2's shape in fp32. A round times a square matmul, then,
     longest context first, each step and right after it a read of its own cache; each keeps its best round."""
     _, h, dh, dc, dr = DEEPSEEK["DeepSeek-V2"]
