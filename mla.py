@@ -341,9 +341,10 @@ class Step:                        # one decode step: its work, and the best sec
 
 
 def measure_decode(contexts, rounds, seed):
-    """([Step] by context, the matmul's FLOP/s, the cores other programs kept busy), measured much as in mha.py: MLA
+    """([Step] by context, the matmul's FLOP/s, the cores other programs kept busy), measured as in mha.py: MLA
     (latent_attend), MHA and GQA (mha.attend) at DeepSeek-V2's shape in fp32. A round times a square matmul, then,
-    longest context first, each step and right after it a read of its own cache; each keeps its best round."""
+    longest context first, at each every read of a step's own cache, then every step, so that the others' data
+    pass through the CPU's caches between a step and its read; each keeps its best round."""
     _, h, dh, dc, dr = DEEPSEEK["DeepSeek-V2"]
     s_max, scale = max(contexts), (dh + dr) ** -0.5
     torch.manual_seed(seed)
@@ -358,7 +359,7 @@ def measure_decode(contexts, rounds, seed):
         for kv, pair in pairs.items():
             runs.append((Step(mha.attention_kind(h, kv), S, *gqa_step_work(S, h, kv, dh)),
                          (mha.attend, q, *pair[:, :, :, :S]), (pair[:, :, :, :S],)))   # K, V: (B, kv, S, dh)
-    a, matmul = torch.randn(mha.MATMUL_N, mha.MATMUL_N), math.inf
+    a, matmul, per_context = torch.randn(mha.MATMUL_N, mha.MATMUL_N), math.inf, 1 + len(pairs)   # MLA, MHA, GQA
     mha.keep_freed_memory()                                # as mha.py does: no page faults timed
     start = mha.cpu_seconds()
     with torch.no_grad():
@@ -366,13 +367,15 @@ def measure_decode(contexts, rounds, seed):
             t0 = time.perf_counter()
             a @ a
             matmul = min(matmul, time.perf_counter() - t0)
-            for step, (fn, *args), cache in runs:
-                t0 = time.perf_counter()
-                fn(*args)
-                t1 = time.perf_counter()
-                [t.sum() for t in cache]                   # every number of its cache read once
-                step.seconds = min(step.seconds, t1 - t0)
-                step.read_seconds = min(step.read_seconds, time.perf_counter() - t1)
+            for i in range(0, len(runs), per_context):     # a context's every read, then every step, as in mha.py
+                for step, _, cache in runs[i:i + per_context]:
+                    t0 = time.perf_counter()
+                    [t.sum() for t in cache]               # every number of its cache read once
+                    step.read_seconds = min(step.read_seconds, time.perf_counter() - t0)
+                for step, (fn, *args), _ in runs[i:i + per_context]:
+                    t0 = time.perf_counter()
+                    fn(*args)
+                    step.seconds = min(step.seconds, time.perf_counter() - t0)
     steps = sorted((step for step, _, _ in runs), key=lambda step: step.S)   # stable: MLA, MHA, GQA
     return steps, 2 * mha.MATMUL_N**3 / matmul, mha.cores_elsewhere(start)
 
