@@ -214,11 +214,11 @@ def check_cache(n_kv_heads, seed):
     attn = random_module(n_kv_heads, seed + 2)             # the demo's shape, random weights (after main())
     x = torch.randn(BATCH, SEQ_LEN, D_MODEL)               # (B, T, d)
     cache = attn.new_cache(BATCH, SEQ_LEN)                 # room for all SEQ_LEN tokens of each sequence
-    prompt = SEQ_LEN // 2
-    ends = [prompt, *range(min(prompt + 2, SEQ_LEN), SEQ_LEN + 1)]   # chunk ends; SEQ_LEN = 12: 6, 8, 9, 10, 11, 12
+    prompt = SEQ_LEN // 2                                  # the chunks: a prompt, 2 tokens, then 1 at a time
+    ends = [prompt, *range(min(prompt + 2, SEQ_LEN), SEQ_LEN + 1)]   # where each ends; SEQ_LEN = 12: 6, 8, 9, ..., 12
     with torch.no_grad():
         full = attn(x)
-        steps = [attn(x[:, cache.length:end], cache=cache) for end in ends]   # each chunk starts where the cache ends
+        steps = [attn(x[:, start:end], cache=cache) for start, end in zip([0, *ends], ends)]   # 0:6, 6:8, 8:9, ...
     print(f"  {attention_kind(N_HEADS, n_kv_heads)} cache fed chunks of {[step.shape[1] for step in steps]} tokens:")
     diff = relative_diff(torch.cat(steps, dim=1), full)    # max |a - b| / max |b|; it and report() after main()
     ok &= report("      max |cached - full forward| / max |full forward|", diff, 1e-5)

@@ -216,7 +216,7 @@ def cached_vs_full(attn, x, absorbed, ends):
     does; relative difference to one full forward."""
     cache = attn.new_cache(x.shape[0], x.shape[1])
     with torch.no_grad():
-        steps = [attn(x[:, cache.length:end], cache=cache, absorbed=absorbed) for end in ends]   # (B, chunk, d)
+        steps = [attn(x[:, start:end], cache=cache, absorbed=absorbed) for start, end in zip([0, *ends], ends)]
         return mha.relative_diff(torch.cat(steps, dim=1), attn(x, absorbed=absorbed))
 
 
