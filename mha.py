@@ -572,15 +572,14 @@ def measure_decode(contexts=DECODE_CONTEXTS, kv_heads=LLAMA_KV_HEADS, rounds=DEC
     keep_freed_memory()                                    # else each step page-faults its scores in anew
     q = torch.randn(1, LLAMA_HEADS, 1, LLAMA_D_HEAD)       # (B, h, 1, dh): one new token
     a = torch.randn(MATMUL_N, MATMUL_N)
+    # Each configuration's K and V, preallocated: (2, B, kv, max_len, dh); its steps read slices (B, kv, S, dh).
+    pairs = {kv: torch.full((2, 1, kv, max(contexts), LLAMA_D_HEAD), 0.01) for kv in kv_heads}
     jobs = [("matmul", 0, math.inf, torch.mm, (a, a))]     # (what, kv, S, function, its arguments)
-    for kv in kv_heads:
-        pair = torch.full((2, 1, kv, max(contexts), LLAMA_D_HEAD), 0.01)   # preallocated: (2, B, kv, max_len, dh)
-        for S in contexts:
-            jobs.append(("steps", kv, S, attend, (q, *pair[:, :, :, :S])))   # k, v: (B, kv, S, dh) each
-            jobs.append(("reads", kv, S, torch.sum, (pair[:, :, :, :S],)))
     # Longest context first; at each, every configuration's read, then every step: other data passes through the
     # CPU's caches between a step and its own read, so neither finds its K and V there from the other.
-    jobs.sort(key=lambda job: (-job[2], job[0]))
+    for S in reversed(contexts):
+        jobs += [("reads", kv, S, torch.sum, (pair[:, :, :, :S],)) for kv, pair in pairs.items()]
+        jobs += [("steps", kv, S, attend, (q, *pair[:, :, :, :S])) for kv, pair in pairs.items()]
     best = {}
     start = cpu_seconds()                                  # to see what other programs ran meanwhile
     with torch.no_grad():

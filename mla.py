@@ -351,15 +351,15 @@ def measure_decode(contexts, rounds, seed):
     q_lat, q_rope, q = torch.randn(1, h, 1, dc), torch.randn(1, h, 1, dr), torch.randn(1, h, 1, dh)
     c, k_rope = torch.full((1, s_max, dc), 0.01), torch.full((1, s_max, dr), 0.01)     # as in a LatentCache
     pairs = {kv: torch.full((2, 1, kv, s_max, dh), 0.01) for kv in (h, GQA_KV_HEADS)}  # K, V: (B, kv, max_len, dh)
-    runs = []                                              # (Step, the step and its arguments, its cache)
+    by_context = []                                        # per context: [(Step, the step and its arguments, its cache)]
     for S in sorted(set(contexts), reverse=True):
         cache = (c[:, :S], k_rope[:, :S])                  # (B, S, dc), (B, S, dr): views, nothing copied
-        runs.append((Step("MLA", S, *mla_step_work(S, h, dc, dr)), (latent_attend, q_lat, q_rope, *cache, scale),
-                     cache))
+        runs = [(Step("MLA", S, *mla_step_work(S, h, dc, dr)), (latent_attend, q_lat, q_rope, *cache, scale), cache)]
         for kv, pair in pairs.items():
             runs.append((Step(mha.attention_kind(h, kv), S, *gqa_step_work(S, h, kv, dh)),
                          (mha.attend, q, *pair[:, :, :, :S]), (pair[:, :, :, :S],)))   # K, V: (B, kv, S, dh)
-    a, matmul, per_context = torch.randn(mha.MATMUL_N, mha.MATMUL_N), math.inf, 1 + len(pairs)   # MLA, MHA, GQA
+        by_context.append(runs)
+    a, matmul = torch.randn(mha.MATMUL_N, mha.MATMUL_N), math.inf
     mha.keep_freed_memory()                                # as mha.py does: no page faults timed
     start = mha.cpu_seconds()
     with torch.no_grad():
@@ -367,16 +367,16 @@ def measure_decode(contexts, rounds, seed):
             t0 = time.perf_counter()
             a @ a
             matmul = min(matmul, time.perf_counter() - t0)
-            for i in range(0, len(runs), per_context):     # a context's every read, then every step, as in mha.py
-                for step, _, cache in runs[i:i + per_context]:
+            for runs in by_context:                        # a context's every read, then every step, as in mha.py
+                for step, _, cache in runs:
                     t0 = time.perf_counter()
                     [t.sum() for t in cache]               # every number of its cache read once
                     step.read_seconds = min(step.read_seconds, time.perf_counter() - t0)
-                for step, (fn, *args), _ in runs[i:i + per_context]:
+                for step, (fn, *args), _ in runs:
                     t0 = time.perf_counter()
                     fn(*args)
                     step.seconds = min(step.seconds, time.perf_counter() - t0)
-    steps = sorted((step for step, _, _ in runs), key=lambda step: step.S)   # stable: MLA, MHA, GQA
+    steps = sorted((step for runs in by_context for step, _, _ in runs), key=lambda step: step.S)   # MLA, MHA, GQA
     return steps, 2 * mha.MATMUL_N**3 / matmul, mha.cores_elsewhere(start)
 
 
