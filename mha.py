@@ -71,13 +71,13 @@ def attention_kind(n_heads, n_kv_heads):
 
 def causal_mask(T, S, dtype=torch.float32):
     """(T, S) additive mask: 0 where new token i may see key j, -inf where key j lies in its future (after the
-    softmax, exp(-inf) = 0: a future key gets no weight at all). Until KVCache (below), T == S: the first example.
-    With a cache, the T new tokens follow S - T kept ones, so new token i sits at S - T + i: the second example.
+    softmax, exp(-inf) = 0: a future key gets no weight at all). New token i sits at position S - T + i among the
+    keys: at i in a whole sequence (T == S); later with a cache (KVCache, below), where S - T keys came before it.
     causal_mask(3, 3) == [[0, -inf, -inf], [0, 0, -inf], [0, 0, 0]]   (a whole sequence: T == S)
     causal_mask(2, 3) == [[0, 0, -inf], [0, 0, 0]]                    (key 0 cached, keys 1 and 2 new)
     """
-    position = torch.arange(T).unsqueeze(1) + (S - T)      # (T, 1): where each new token sits among the keys
-    future = torch.arange(S) > position                    # (S,) > (T, 1) -> (T, S): key j after token i
+    position = torch.arange(T).unsqueeze(1) + (S - T)      # (T, 1): each new token's place; T=2, S=3: [[1], [2]]
+    future = torch.arange(S) > position                    # (S,) > (T, 1) -> (T, S): rows [0 1 2] > 1 and > 2
     return torch.zeros(T, S, dtype=dtype).masked_fill(future, float("-inf"))
 
 
