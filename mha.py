@@ -40,7 +40,7 @@ FIGURES = ["attention_maps.png", "kv_cache_size.png", "head_layout.png", "stacki
 
 # Section 1's table, the cache figure and the decode timing use Llama-7B-shaped attention.
 LLAMA_LAYERS, LLAMA_HEADS, LLAMA_D_HEAD = 32, 32, 128    # layers, query heads, head width
-LLAMA_KV_HEADS = (32, 8, 4, 1)    # K/V heads compared: MHA, GQA-8, GQA-4, MQA (section 1 adds the one with your g)
+LLAMA_KV_HEADS = (32, 8, 4, 1)    # K/V heads compared: MHA, GQA-8, GQA-4, MQA (section 1 adds your g's row)
 CACHE_TOKENS = 4096               # context length of the tables
 CACHE_BYTES_PER_ELEM = 2          # bytes per cached number: 2 = fp16/bf16, 1 = fp8, 4 = fp32
 GPU_CACHE_GB = 40                 # GPU memory set aside for the cache, GB (1 GB = 1e9 bytes)
@@ -630,8 +630,8 @@ def print_decode_table(timing, problems):
         return
     fewest, (gpu_name, gpu_flops, gpu_bandwidth) = min(kinds), GPU
     print(f"   {attention_kind(h, fewest)} reads {h // fewest}x fewer bytes than MHA for the same FLOPs and is "
-          f"{timing.steps[h][-1] / timing.steps[fewest][-1]:.1f}x faster. The gap to the floor: a step's\n"
-          "   matmuls have few rows per K/V head, which PyTorch runs slower than either ceiling (LABNOTES.md).\n"
+          f"{timing.steps[h][-1] / timing.steps[fewest][-1]:.1f}x faster. The gap to the floor: PyTorch runs\n"
+          "   a step's thin products (g query rows against S keys) below both ceilings (LABNOTES.md).\n"
           f"   On an {gpu_name} (ridge {gpu_flops / gpu_bandwidth:.0f} FLOPs/byte) a bf16 step does g FLOPs per "
           "byte: all of these are memory-bound\n   there, at any batch, since each request reads its own cache.")
 
