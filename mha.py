@@ -214,16 +214,18 @@ def check_cache(n_kv_heads, seed):
     attn = random_module(n_kv_heads, seed + 2)             # the demo's shape, random weights (after main())
     x = torch.randn(BATCH, SEQ_LEN, D_MODEL)               # (B, T, d)
     cache = attn.new_cache(BATCH, SEQ_LEN)                 # room for all SEQ_LEN tokens of each sequence
-    prompt = SEQ_LEN // 2                                  # the chunks: a prompt, 2 tokens, then 1 at a time
-    ends = [prompt, *range(min(prompt + 2, SEQ_LEN), SEQ_LEN + 1)]   # where each ends; SEQ_LEN = 12: 6, 8, 9, ..., 12
+    prompt = SEQ_LEN // 2                                  # SEQ_LEN = 12: tokens 0:6, 6:8, 8:9, 9:10, 10:11, 11:12
+    chunks = [(0, prompt), (prompt, min(prompt + 2, SEQ_LEN))]        # (start, end): the prompt, then 2 tokens,
+    chunks += [(start, start + 1) for start in range(prompt + 2, SEQ_LEN)]   # then one token at a time
     with torch.no_grad():
         full = attn(x)
-        steps = [attn(x[:, start:end], cache=cache) for start, end in zip([0, *ends], ends)]   # 0:6, 6:8, 8:9, ...
+        steps = [attn(x[:, start:end], cache=cache) for start, end in chunks]
     print(f"  {attention_kind(N_HEADS, n_kv_heads)} cache fed chunks of {[step.shape[1] for step in steps]} tokens:")
     diff = relative_diff(torch.cat(steps, dim=1), full)    # max |a - b| / max |b|; it and report() after main()
     ok &= report("      max |cached - full forward| / max |full forward|", diff, 1e-5)
     q = torch.randn(BATCH, N_HEADS, SEQ_LEN, D_MODEL // N_HEADS)            # random q: (B, h, T, dh)
-    k, v = torch.randn(2, BATCH, n_kv_heads, SEQ_LEN, D_MODEL // N_HEADS)   # random k and v: (B, kv, T, dh) each
+    k = torch.randn(BATCH, n_kv_heads, SEQ_LEN, D_MODEL // N_HEADS)         # random k: (B, kv, T, dh)
+    v = torch.randn(BATCH, n_kv_heads, SEQ_LEN, D_MODEL // N_HEADS)         # random v: (B, kv, T, dh)
     textbook = relative_diff(attend(q, k, v)[0], attend_textbook(q, k, v)[0])   # forward's attend, and with copies
     label = f"{attention_kind(N_HEADS, n_kv_heads):<5} max |attend - textbook| / max |textbook|"
     return ok & report(label, textbook, 2e-6)
@@ -407,20 +409,9 @@ def decode_bytes(n_kv_heads, d_head, S, bytes_per_elem=4):
     return kv_cache_bytes(1, n_kv_heads, d_head, S, bytes_per_elem=bytes_per_elem)
 
 
-@dataclass
-class Ceilings:
-    """The two rates a floor is built from: read `bandwidth` bytes/s, compute `flops` FLOP/s."""
-    bandwidth: float
-    flops: float
-
-    @property
-    def ridge(self):
-        return self.flops / self.bandwidth                 # the FLOPs per byte at which the two ceilings meet
-
-
 def roofline(flops, n_bytes, ceilings):
-    """(least seconds, bound): max(bytes / bandwidth, FLOPs / flops), and which ceiling sets it: 'memory',
-    'compute', or 'ridge' where the two lie within 1 % of each other.
+    """(least seconds, bound): max(bytes / bandwidth, FLOPs / flops), ceilings holding the two rates (Ceilings,
+    after main()), and which ceiling sets it: 'memory', 'compute', or 'ridge' where the two lie within 1 %.
     roofline(100, 10, Ceilings(bandwidth=1, flops=100)) == (10.0, 'memory'): 10 FLOPs a byte, ridge 100.
     """
     memory, compute = n_bytes / ceilings.bandwidth, flops / ceilings.flops
@@ -545,6 +536,17 @@ def print_cache_tables(n_kv_heads):
 
 
 # ----------------------------------------------------------------------------- the decode timing and its table
+@dataclass
+class Ceilings:
+    """The two rates a floor is built from: read `bandwidth` bytes/s, compute `flops` FLOP/s."""
+    bandwidth: float
+    flops: float
+
+    @property
+    def ridge(self):
+        return self.flops / self.bandwidth                 # the FLOPs per byte at which the two ceilings meet
+
+
 @dataclass
 class DecodeTiming:
     """What measure_decode saw: best seconds {kv: [one per context]} of the steps and of their K/V reads."""
