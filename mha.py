@@ -140,8 +140,9 @@ class KVCache:
 class CausalMHA(nn.Module):
     """Causal self-attention with h query heads and kv key/value heads (MHA, GQA or MQA).
 
-    One projection, in_proj (W_q, W_k and W_v stacked), makes q, k and v: its weight has a row per output number,
-    every query head's dh rows, then every key head's, then every value head's: with kv == h, nn.MHA's in_proj_weight.
+    One projection, in_proj (W_q, W_k and W_v stacked), makes q, k and v. Its weight is (out, in), as nn.Linear keeps
+    it: a row per output number, every query head's dh rows, then every key head's, then every value head's. With
+    kv == h it is laid out as nn.MultiheadAttention's in_proj_weight, so from_torch (second pass) can copy that in.
     """
 
     def __init__(self, d_model, n_heads, n_kv_heads=None, bias=True):
@@ -177,6 +178,8 @@ class CausalMHA(nn.Module):
             o, p = attend_fused(q, k, v), None             # (B, h, T, dh)
         else:
             o, p = attend(q, k, v)                         # attend_textbook's o, p without copying K/V (second pass)
+        # Back: transpose(1, 2) puts tokens first again. Unless T or h is 1, that leaves the numbers out of memory
+        # order: reshape then copies them into it, where view would refuse.
         o = o.transpose(1, 2).reshape(B, T, h * dh)        # (B, h, T, dh) -> (B, T, h*dh = d): heads side by side
         y = self.out_proj(o)                               # (B, T, d): one matrix mixes the heads
         return (y, p) if need_weights else y
