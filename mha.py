@@ -44,10 +44,10 @@ LLAMA_KV_HEADS = (32, 8, 4, 1)    # K/V heads compared: MHA, GQA-8, GQA-4, MQA (
 CACHE_TOKENS = 4096               # context length of the tables
 CACHE_BYTES_PER_ELEM = 2          # bytes per cached number: 2 = fp16/bf16, 1 = fp8, 4 = fp32
 GPU_CACHE_GB = 40                 # GPU memory set aside for the cache, GB (1 GB = 1e9 bytes)
-DECODE_CONTEXTS = (256, 512, 1024, 2048, 4096, 8192)   # cached tokens at which a decode step is timed
-DECODE_ROUNDS = 5                 # each decode time is the best of this many rounds
-MATMUL_N = 512                    # the FLOP/s ceiling: a (512, 512) @ (512, 512) float32 product
-GPU = ("H100 SXM", 989e12, 3.35e12)  # for comparison, datasheet: dense bf16 FLOP/s, memory bytes/s
+DECODE_CONTEXTS = (256, 512, 1024, 2048, 4096, 8192)   # section 5: cached tokens at which a decode step is timed
+DECODE_ROUNDS = 5                 # section 5: each decode time is the best of this many rounds
+MATMUL_N = 512                    # section 5's FLOP/s ceiling: a (512, 512) @ (512, 512) float32 product
+GPU = ("H100 SXM", 989e12, 3.35e12)  # section 5 compares with it, datasheet: dense bf16 FLOP/s, memory bytes/s
 
 # Published shapes: (layers, query heads, K/V heads, head width).
 PUBLISHED_MODELS = {
@@ -55,8 +55,8 @@ PUBLISHED_MODELS = {
     "Llama-2-70B": (80, 64, 8, 128),
     "Llama-3-8B": (32, 32, 8, 128),
     "Mistral-7B-v0.2": (32, 32, 8, 128),   # v0.1 attends to the last 4096 tokens only: its cache stops there
-    "Falcon-7B": (32, 71, 1, 64),          # both Falcons trained at 2048 tokens: 4096 is a what-if
-    "Falcon-40B": (60, 128, 8, 64),
+    "Falcon-7B": (32, 71, 1, 64),          # 71 heads, not a typo: 71 x 64 = 4544 = d. Trained at 2048 tokens:
+    "Falcon-40B": (60, 128, 8, 64),        # both Falcons, so 4096 is a what-if
     "Gemma-2B (v1)": (18, 8, 1, 256),     # Gemma 1, not Gemma-2-2B (26 layers, 4 K/V heads)
 }
 
