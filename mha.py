@@ -636,7 +636,7 @@ def print_decode_table(timing, problems):
     fewest, (gpu_name, gpu_flops, gpu_bandwidth) = min(kinds), GPU
     print(f"   {attention_kind(h, fewest)} reads {h // fewest}x fewer bytes than MHA for the same FLOPs and is "
           f"{timing.steps[h][-1] / timing.steps[fewest][-1]:.1f}x faster. The gap to the floor: PyTorch runs\n"
-          "   a step's thin products (g query rows against S keys) below both ceilings (LABNOTES.md).\n"
+          "   a step's thin products (g query rows by S keys) below both ceilings; the softmax adds more (LABNOTES.md).\n"
           f"   On an {gpu_name} (ridge {gpu_flops / gpu_bandwidth:.0f} FLOPs/byte) a bf16 step does g FLOPs per "
           "byte: all of these are memory-bound\n   there, at any batch, since each request reads its own cache.")
 
