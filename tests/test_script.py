@@ -466,6 +466,9 @@ def test_try_repeat_instead_of_repeat_interleave(capsys, tmp_path):
     assert line_with(out, "MHA   written out").endswith("OK  (must be exactly 0)")
     for start in ["GQA-4 written out vs nn.MHA", "GQA-4 the same, per-head", "GQA-4 fused vs that", "GQA-4 written out vs F"]:
         assert line_with(out, start).endswith("OK  (tolerance 2e-06)"), start      # none copies K/V by .repeat
+    assert "with 8 or 1 K/V heads the two orders agree" in things_to_try()
+    for kv in (8, 1):                                    # MHA (g = 1) and MQA (one K/V head): one order, no FAIL
+        assert m.check_cache(kv, 0), kv
 
 
 def test_try_the_exact_check_on_the_whole_batch(capsys, tmp_path):
