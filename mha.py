@@ -158,7 +158,8 @@ class CausalMHA(nn.Module):
         """x: (B, T, d) -> y: (B, T, d), or (y, attention weights (B, h, T, S)) with need_weights.
 
         With a cache, x holds only the new tokens: their keys and values are appended to the cache, and each attends
-        to all cached tokens and to the new ones up to itself. fused=True: PyTorch's fused call, attend_fused."""
+        to all cached tokens and to the new ones up to itself. fused=True computes the same attention in one PyTorch
+        call instead (attend_fused, second pass)."""
         check_call(self, x, need_weights, cache, fused)    # a one-sentence error, before the cache is written
         B, T, _ = x.shape
         h, kv, dh = self.n_heads, self.n_kv_heads, self.d_head
