@@ -55,8 +55,8 @@ PUBLISHED_MODELS = {
     "Llama-2-70B": (80, 64, 8, 128),
     "Llama-3-8B": (32, 32, 8, 128),
     "Mistral-7B-v0.2": (32, 32, 8, 128),   # v0.1 attends to the last 4096 tokens only: its cache stops there
-    "Falcon-7B": (32, 71, 1, 64),          # 71 heads, not a typo: 71 x 64 = 4544 = d. Trained at 2048 tokens:
-    "Falcon-40B": (60, 128, 8, 64),        # both Falcons, so 4096 is a what-if
+    "Falcon-7B": (32, 71, 1, 64),          # 71 heads is right: 71 x 64 = 4544 = d
+    "Falcon-40B": (60, 128, 8, 64),        # both Falcons trained at 2048 tokens: 4096 is a what-if
     "Gemma-2B (v1)": (18, 8, 1, 256),     # Gemma 1, not Gemma-2-2B (26 layers, 4 K/V heads)
 }
 
