@@ -392,7 +392,9 @@ def test_a_busy_machine_is_caught_by_the_real_measurement():
     finally:
         spinner.kill()
         spinner.wait()
-    assert timing.elsewhere > 0.5, timing.elsewhere
+    # The spinner shares the 2 cores with the timing's own 2 threads: about 2/3 of a core, less on a busy host (0.49
+    # once). The run flags more than 0.25 cores; 1.5 or more would mean this process's own time was counted too.
+    assert 0.25 < timing.elsewhere < 1.5, timing.elsewhere
     assert mha.timing_contradictions(timing)[0] == f"other programs kept {timing.elsewhere:.1f} cores busy"
 
 
