@@ -211,12 +211,12 @@ def absorbed_vs_naive(attn, x):
         return mha.relative_diff(attn(x, absorbed=True), attn(x))
 
 
-def cached_vs_full(attn, x, absorbed, ends):
-    """Feed x in chunks ending at `ends` (T > 1 after cached tokens uses the mask's offset), as mha.check_cache
+def cached_vs_full(attn, x, absorbed, chunks):
+    """Feed x in `chunks`, (start, end) pairs (T > 1 after cached tokens uses the mask's offset), as mha.check_cache
     does; relative difference to one full forward."""
     cache = attn.new_cache(x.shape[0], x.shape[1])
     with torch.no_grad():
-        steps = [attn(x[:, start:end], cache=cache, absorbed=absorbed) for start, end in zip([0, *ends], ends)]
+        steps = [attn(x[:, start:end], cache=cache, absorbed=absorbed) for start, end in chunks]
         return mha.relative_diff(torch.cat(steps, dim=1), attn(x, absorbed=absorbed))
 
 
@@ -259,13 +259,14 @@ def run_checks(seed):
     ok = mha.report("float64: max |absorbed - naive| / max |naive|", absorbed_vs_naive(attn64, x64), 1e-12)
     ok &= mha.report("float32: the same, exact in algebra but not rounding", absorbed_vs_naive(attn32, x32), 1e-5)
     ok &= mha.report("decode step vs MQA: key [c; k_R], value c (float64)", mqa_identity_gap(attn64, x64), 1e-12)
-    prompt = SEQ_LEN // 2
-    ends = [prompt, *range(min(prompt + 2, SEQ_LEN), SEQ_LEN + 1)]   # a prompt, 2 at once, then one at a time
-    sizes = [end - start for start, end in zip([0, *ends], ends)]  # SEQ_LEN = 12: 6, 2, 1, 1, 1, 1
+    prompt = SEQ_LEN // 2                                  # as in mha.check_cache: SEQ_LEN = 12: 0:6, 6:8, 8:9, ...
+    chunks = [(0, prompt), (prompt, min(prompt + 2, SEQ_LEN))]        # (start, end): the prompt, then 2 tokens,
+    chunks += [(start, start + 1) for start in range(prompt + 2, SEQ_LEN)]   # then one token at a time
+    sizes = [end - start for start, end in chunks]         # SEQ_LEN = 12: 6, 2, 1, 1, 1, 1
     print(f"  cached, float32: chunks of {sizes} tokens, against one full forward")
     for absorbed in (False, True):
         label = f"  {'absorbed' if absorbed else 'naive':<9} max |cached - full| / max |full|"
-        ok &= mha.report(label, cached_vs_full(attn32, x32, absorbed, ends), 1e-5)
+        ok &= mha.report(label, cached_vs_full(attn32, x32, absorbed, chunks), 1e-5)
     n, want = attn32.new_cache(1, 512).nbytes, latent_cache_bytes(1, D_LATENT, D_ROPE, 512, bytes_per_elem=4)
     print(f"  512-token cache: {n:,} bytes allocated, {want:,} by the formula (dc + dr) x 512 x 4  "
           f"{'OK' if n == want else 'FAIL'}")

@@ -159,7 +159,7 @@ def test_cached_check_sees_a_wrong_position():
     x = inputs(attn, T=6)
     right = attn.project
     attn.project = lambda x, start: right(x, 0)
-    assert mla.cached_vs_full(attn, x, True, [3, 5, 6]) > 1e-3
+    assert mla.cached_vs_full(attn, x, True, [(0, 3), (3, 5), (5, 6)]) > 1e-3
 
 
 def test_cached_check_sees_a_mask_without_its_offset(monkeypatch):
@@ -170,8 +170,9 @@ def test_cached_check_sees_a_mask_without_its_offset(monkeypatch):
     attn = module(dtype=torch.float32)
     x = inputs(attn, T=12)
     for absorbed in (False, True):
-        assert mla.cached_vs_full(attn, x, absorbed, [6, 8, 9, 10, 11, 12]) > 1e-2
-    assert mla.cached_vs_full(attn, x, True, [6, 7, 8, 9, 10, 11, 12]) < 1e-5     # single tokens alone: not seen
+        assert mla.cached_vs_full(attn, x, absorbed, [(0, 6), (6, 8), (8, 9), (9, 10), (10, 11), (11, 12)]) > 1e-2
+    singles = [(0, 6), *((t, t + 1) for t in range(6, 12))]
+    assert mla.cached_vs_full(attn, x, True, singles) < 1e-5     # single tokens alone: not seen
 
 
 @pytest.mark.parametrize("B, max_len, dtype", [(1, 512, torch.float32), (3, 17, torch.float64), (2, 5, torch.bfloat16)])
