@@ -76,8 +76,9 @@ def causal_mask(T, S, dtype=torch.float32):
     causal_mask(3, 3) == [[0, -inf, -inf], [0, 0, -inf], [0, 0, 0]]   (a whole sequence: T == S)
     causal_mask(2, 3) == [[0, 0, -inf], [0, 0, 0]]                    (key 0 cached, keys 1 and 2 new)
     """
-    position = torch.arange(T).unsqueeze(1) + (S - T)      # (T, 1): each new token's place; T=2, S=3: [[1], [2]]
-    future = torch.arange(S) > position                    # (S,) > (T, 1) -> (T, S): rows [0 1 2] > 1 and > 2
+    i = torch.arange(T).view(T, 1) + (S - T)               # (T, 1): where each new token sits; T=2, S=3: [[1], [2]]
+    j = torch.arange(S).view(1, S)                         # (1, S): each key's position; S=3: [[0, 1, 2]]
+    future = j > i                                         # (T, S): key j after token i; row 0: [0 1 2] > 1 -> F F T
     return torch.zeros(T, S, dtype=dtype).masked_fill(future, float("-inf"))
 
 
