@@ -426,6 +426,7 @@ def roofline(flops, n_bytes, ceilings):
 
 
 # ----------------------------------------------------------------------------- main
+# What main() calls that is not above (the tables, the timing, the figures, the plumbing) comes after it.
 def main(argv=None):
     args = parse_args(argv)        # a bad flag, --out-dir or edited knob ends here, in one line (exit code 2)
     kv = args.n_kv_heads
