@@ -131,8 +131,8 @@ class KVCache:
 
     def append(self, k, v):
         """Write k, v: (B, kv, T, dh) after the cached tokens; return all of them, (B, kv, S, dh)."""
-        S = self.length + k.shape[2]
-        self.k[:, :, self.length:S] = k
+        S = self.length + k.shape[2]                       # tokens held after this call: cached + T new
+        self.k[:, :, self.length:S] = k                    # into positions length .. S-1 of max_len: (B, kv, T, dh)
         self.v[:, :, self.length:S] = v
         self.length = S
         return self.k[:, :, :S], self.v[:, :, :S]
@@ -180,8 +180,9 @@ class CausalMHA(nn.Module):
             o, p = attend_fused(q, k, v), None             # (B, h, T, dh)
         else:
             o, p = attend(q, k, v)                         # attend_textbook's o, p without copying K/V (second pass)
-        # Back: transpose(1, 2) puts tokens first again. Unless T or h is 1, that leaves the numbers out of memory
-        # order: reshape then copies them into it, where view would refuse.
+        # Back: transpose(1, 2) puts tokens first again without moving a number (it changes only how the tensor is
+        # walked), so a token's heads are not side by side in memory unless T or h is 1: reshape copies them there,
+        # where view would refuse.
         o = o.transpose(1, 2).reshape(B, T, h * dh)        # (B, h, T, dh) -> (B, T, h*dh = d): heads side by side
         y = self.out_proj(o)                               # (B, T, d): one matrix mixes the heads
         return (y, p) if need_weights else y
