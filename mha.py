@@ -280,9 +280,10 @@ def attend_fused(q, k, v):
     """The same attention in one fused call, the one nn.MultiheadAttention(need_weights=False) makes on a float mask.
 
     softmax(q k^T / sqrt(dh) + mask) v on attend's stacked rows, (B, kv, g*T, dh); no mask at T = 1, as in attend.
-    It never stores p, which often makes it faster, and can round differently from attend() in the last bit. Not
-    SDPA's is_causal=True: it lets row i see keys 0 .. i, wrong for stacked rows after the first head's T and, with
-    a cache (T < S), for all rows. For one head, causal_mask(T, S) is torch.nn.attention.bias.causal_lower_right(T, S).
+    It never stores p, which often makes it faster, and can round differently from attend() in the last bit.
+    Why not SDPA's is_causal=True: it lets row r see keys 0 .. r, right only for one head of a whole sequence. A
+    stacked row r = (head, t) must see keys 0 .. t, and with a cache (T < S) new token t must see keys 0 .. S - T + t.
+    For one head, causal_mask(T, S) is torch.nn.attention.bias.causal_lower_right(T, S).
     """
     B, h, T, dh = q.shape
     kv, S = k.shape[1], k.shape[2]
@@ -397,14 +398,15 @@ def run_checks(n_kv_heads, seed):
 
 # ----------------------------------------------------------------------------- a second pass: decode time, a roofline
 # A decode step (T = 1) of one layer: each head's query times S cached keys, (1, dh) @ (dh, S), then its weights
-# times S values, (1, S) @ (S, dh). Over h heads: 2 h S dh multiply-adds, 4 h S dh FLOPs, on 2 kv S dh numbers.
+# times S values, (1, S) @ (S, dh): S dh multiply-adds each, 2 FLOPs apiece. Over h heads, 4 h S dh FLOPs, on the
+# K and V of kv heads: 2 kv S dh numbers read.
 # A machine reads so many bytes and computes so many FLOPs per second at most, so a step takes at least
 #     floor = max(bytes / read rate, FLOPs / FLOP rate)                                  (the roofline)
 # E.g. Llama-7B's MHA at 8192 tokens, fp32: 134 MFLOP on 268 MB. At 20 GB/s and 100 GFLOP/s the read takes
 # 13.4 ms and the arithmetic 1.3 ms: the step waits on memory. MQA reads 32x fewer bytes (0.4 ms), so its FLOPs decide.
 # Which one decides: the FLOPs per byte, 4 h S dh / (2 kv S dh x 4 bytes) = g / 2 in fp32, against the ridge,
-# FLOP rate / read rate: below it the bytes decide, above it the FLOPs. Both rates are measured in the run, as rates
-# this CPU reached, not its peaks: a 512x512 matmul, and a sum over each step's own K and V (an add per number read).
+# FLOP rate / read rate (5 in the example): MHA's 0.5 lies below it, the bytes decide; MQA's 16 above, the FLOPs.
+# The run measures both rates, not the CPU's peaks: a 512x512 matmul, and a sum over each step's own K and V.
 def decode_flops(n_heads, d_head, S):
     """FLOPs of one new token's attention over S keys: 4 h S dh.  decode_flops(32, 128, 4096) == 67108864"""
     return 4 * n_heads * S * d_head
