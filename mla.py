@@ -10,8 +10,9 @@ The chapter after mha.py. What it shows, top to bottom:
      (within 1e-12 in float64), and its decode step IS multi-query attention with one K/V head [c; k_R] and
      values c. Why the RoPE key is decoupled: rotate the content keys and absorption breaks.
   3. The cache of DeepSeek-V2, V2-Lite and V3, next to MHA, GQA-8 and MQA of the same shape.
-  4. The absorbed decode step timed against MHA's and GQA-8's, each against its floor as mha.py measures it: at
-     98 FLOPs per byte (fp32, 1024 tokens, queries and output counted) MLA waits on arithmetic, MHA on memory.
+  4. The absorbed decode step's attention (latent_attend; the projections, as for MHA and GQA-8, not timed)
+     against MHA's and GQA-8's, each against its floor as mha.py measures it: at 98 FLOPs per byte (fp32,
+     1024 tokens, queries and output counted) MLA waits on arithmetic, MHA on memory.
 
 Not here: query compression (DeepSeek-V2 has it, V2-Lite not: it saves activations, not cache); the RMSNorm
 on the latent (kv_a_layernorm): it comes before caching and its scale folds into W_UK and W_UV, so absorption
@@ -42,7 +43,7 @@ N_HEADS = 8          # h: query heads
 D_HEAD = 32          # dh: width of each head's content query, key and value
 D_LATENT = 128       # dc: width of the latent c, shared by all heads' keys and values (DeepSeek: 4 dh)
 D_ROPE = 16          # dr: width of the RoPE query and key; even, since RoPE turns pairs (DeepSeek: dh / 2)
-ROPE_BASE = 10000.0  # RoFormer's base: pair i of the RoPE key turns by position x base^(-2i / dr) radians
+ROPE_BASE = 10000.0  # RoFormer's base: pair i of the RoPE key turns by position * base^(-2i / dr) radians
 SEQ_LEN = 12         # T: tokens in the demo sequence
 BATCH = 2            # B: sequences in the demo batch
 SEED = 0             # every random number in the run comes from this seed
@@ -62,15 +63,17 @@ DECODE_ROUNDS = 5                   # each time is the best of this many rounds
 
 # ----------------------------------------------------------------------------- the module
 def rope(x, positions, base=ROPE_BASE):
-    """x with each pair (x[2i], x[2i+1]) of its last dimension turned by position x base^(-2i / dr) radians.
+    """x with each pair (x[2i], x[2i+1]) of its last dimension turned by position * base^(-2i / dr) radians.
 
     x: (..., T, dr), positions: (T,). Two turned vectors' dot product depends only on the difference of their
-    positions: that is how attention learns where a key lies relative to the query (RoFormer).
+    positions: that is how attention learns where a key lies relative to the query (RoFormer). With R_p the turn
+    at position p, (R_t q) . (R_s k) = q . (R_(s-t) k): turning both back by t changes no dot product. E.g. in 2-D,
+    q = k = (1, 0) at positions 3 and 5 give cos 2, as they would at 0 and 2.
     rope(torch.tensor([[1.0, 0.0]]), torch.tensor([1])) == [[cos 1, sin 1]] == [[0.5403, 0.8415]]
     """
     dr = x.shape[-1]
     freq = base ** (-torch.arange(0, dr, 2, dtype=torch.float64) / dr)       # (dr/2,)
-    angle = positions.to(torch.float64)[:, None] * freq                      # (T, dr/2), the same in every call
+    angle = positions.to(torch.float64)[:, None] * freq                      # (T, dr/2): pair i at each position
     cos, sin = angle.cos().to(x.dtype), angle.sin().to(x.dtype)
     x0, x1 = x.unflatten(-1, (dr // 2, 2)).unbind(-1)                        # (..., T, dr) -> 2 x (..., T, dr/2)
     turned = torch.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], dim=-1)  # (..., T, dr/2, 2)
@@ -89,7 +92,7 @@ def latent_attend(q_lat, q_rope, c, k_rope, scale):
     q_lat = q_lat.reshape(B, h * T, dc)                    # (B, h*T, dc)
     q_rope = q_rope.reshape(B, h * T, -1)                  # (B, h*T, dr)
     scores = (q_lat @ c.transpose(1, 2) + q_rope @ k_rope.transpose(1, 2)) * scale   # (B, h*T, S)
-    if T > 1:                                              # one new token sees every key: no mask
+    if T > 1:                                              # the mask, per head; a decode step (T = 1) needs none
         scores = scores + mha.causal_mask(T, S, scores.dtype).tile(h, 1)     # (h*T, S)
     return (scores.softmax(dim=-1) @ c).view(B, h, T, dc)  # (B, h*T, dc) -> (B, h, T, dc)
 
@@ -120,8 +123,9 @@ class LatentAttention(nn.Module):
         c = x W_DKV (dc),  k_C,i = W_UK,i c,  v_i = W_UV,i c  (dh each),  k_R = RoPE(x W_KR) (dr, one for all heads),
         q_C,i from x W_Q (dh),  q_R,i = RoPE(x W_QR) (dr).
     Why the RoPE key is decoupled: q_C,i . k_C,i,s = (W_UK,i^T q_C,i) . c_s, so W_UK,i can move to the query
-    side, once per query instead of once per cached token. Rotating k_C would put the rotation of key s
-    between W_UK,i and c_s: RoPE_s(W_UK,i c_s), a matrix that changes with s, which no query can absorb.
+    side, once per query instead of once per cached token. Rotating k_C would put the turn R_s of key s between
+    them: q_C,i . (R_s W_UK,i c_s) = (W_UK,i^T R_s^T q_C,i) . c_s, a matrix that changes with every key s, so no one
+    absorbed query serves them all (rope() shows what R_s is).
     So the position travels in dr extra dimensions of its own, and c stays free of it.
     """
 
@@ -186,8 +190,9 @@ class LatentAttention(nn.Module):
         w_uv = self.w_uv.weight.view(h, dh, dc)            # (h*dh, dc) -> (h, dh, dc), rows as in absorb_query
         return o_lat @ w_uv.transpose(1, 2)                # (B, h, T, dc) @ (h, dc, dh) -> (B, h, T, dh)
     # The paper says W_UK "can be absorbed into" W_Q and W_UV into W_O: multiplied ahead of time. Applied on
-    # the fly, as here and in DeepSeek's inference code, they stay small: at DeepSeek-V2's shape W_Q W_UK would
-    # hold h d dc = 335M numbers per layer, against 92M for the two.
+    # the fly, as here and in DeepSeek's inference code, they stay small: at DeepSeek-V2-Lite's shape (d = 2048,
+    # 16 heads, queries not compressed, as here) W_Q W_UK would hold h d dc = 16.8M numbers per layer, against 5.2M
+    # for the two; DeepSeek-V2 compresses its queries to 1536 numbers first: 101M for the product, 34M for the two.
 
     def new_cache(self, batch, max_len):
         """An empty LatentCache for `batch` sequences of up to `max_len` tokens, in the weights' dtype and device."""
