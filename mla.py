@@ -422,12 +422,13 @@ def print_decode_table(steps, matmul_flops, problems):
     last = {step.kind: step for step in steps if step.S == steps[-1].S}
     mla, mha_step, gqa = last["MLA"], last["MHA"], last[mha.attention_kind(h, GQA_KV_HEADS)]
     gpu_name, gpu_flops, gpu_bandwidth = mha.GPU
+    ridge, mla_bf16 = gpu_flops / gpu_bandwidth, 2 * mla.flops / mla.n_bytes      # FLOPs per byte
     print(f"   At {mla.S} tokens MLA does {mla.flops / mha_step.flops:.2f}x MHA's FLOPs on 1/"
           f"{mha_step.n_bytes / mla.n_bytes:.0f} of its bytes and is {mha_step.seconds / mla.seconds:.1f}x faster "
           f"({mla.floor(matmul_flops)[1]}-bound,\n   MHA {mha_step.floor(matmul_flops)[1]}-bound). In bf16 (half the "
-          f"bytes) MLA does {2 * mla.flops / mla.n_bytes:.0f} FLOPs per byte, {gqa.kind} "
-          f"{2 * gqa.flops / gqa.n_bytes:.0f}: an {gpu_name}'s\n   ridge is at {gpu_flops / gpu_bandwidth:.0f}, near "
-          f"MLA's step and far above {gqa.kind}'s, which there waits on memory.")
+          f"bytes) MLA does {mla_bf16:.0f} FLOPs per byte, {gqa.kind} {2 * gqa.flops / gqa.n_bytes:.0f}: an "
+          f"{gpu_name}'s\n   ridge is at {ridge:.0f}: MLA's step lies {'below' if mla_bf16 < ridge else 'above'} it, "
+          f"at {mla_bf16 / ridge:.2f}x the ridge, and {gqa.kind}'s far below it, waiting on memory.")
 
 
 # ----------------------------------------------------------------------------- main
