@@ -295,28 +295,6 @@ def cache_rows(layers, h, dh, dc, dr):
             ("MLA, careless", h * (2 * dh + dr), "h (2 dh + dr)")]   # every head's K (dh + dr wide) and V
 
 
-def print_cache_table():
-    layers, h, dh, dc, dr = DEEPSEEK["DeepSeek-V2"]
-    n = latent_cache_bytes(layers, dc, dr, CACHE_TOKENS, bytes_per_elem=CACHE_BYTES_PER_ELEM)
-    n_mha = mha.kv_cache_bytes(layers, h, dh, CACHE_TOKENS, bytes_per_elem=CACHE_BYTES_PER_ELEM)
-    print(f"\n2. The cache, batch 1, {CACHE_TOKENS} tokens, {CACHE_BYTES_PER_ELEM} bytes per number (2 = bf16, a "
-          "convention: DeepSeek-V2 quantizes\n   its own to about 6 bits). GB = 1e9 bytes. DeepSeek-V2: "
-          f"latent_cache_bytes({layers}, {dc}, {dr}, {CACHE_TOKENS})\n   = {n:,} bytes = {n / 1e9:.2f} GB, against "
-          f"{n_mha / 1e9:.1f} GB for MHA of the same layers, h and dh.\n   MLA careless: every head's K (dh + dr "
-          "wide) and V rebuilt from the latent and kept.")
-    rows, widths = cache_rows(layers, h, dh, dc, dr), [10, 9, 9, 10, 15]    # one column per kind
-    print(f"   {'numbers per token-layer:':<29}" + "".join(f"{f:>{w}}" for (_, _, f), w in zip(rows, widths)))
-    print(f"   {'model':<17}{'layers':>7}{'h':>5}" + "".join(f"{k.replace(',', ''):>{w}}" for (k, _, _), w in
-                                                           zip(rows, widths)) + f"{'MLA vs MHA':>12}")
-    for name, shape in DEEPSEEK.items():
-        rows = cache_rows(*shape)
-        gbs = [shape[0] * numbers * CACHE_TOKENS * CACHE_BYTES_PER_ELEM / 1e9 for _, numbers, _ in rows]
-        cells = "".join(f"{f'{x:.2f} GB':>{w}}" for x, w in zip(gbs, widths))
-        print(f"   {name:<17}{shape[0]:>7}{shape[1]:>5}{cells}{rows[0][1] / rows[3][1]:>11.1f}x")
-    print(f"   MLA keeps {dc + dr} numbers per token-layer, {(dc + dr) / (2 * dh):g} times MQA's {2 * dh}, yet every "
-          "head has keys and values of its own.")
-
-
 # ----------------------------------------------------------------------------- decode time: a roofline
 # An absorbed decode step (T = 1) over S cached tokens does q_lat c^T, q_R k_R^T and p c: 2 h S (2 dc + dr) FLOPs.
 # It reads S (dc + dr) cached numbers and h (dc + dr) of queries, and writes h dc of output: at DeepSeek-V2's shape
@@ -344,6 +322,46 @@ class Step:                        # one decode step: its work, and the best sec
 
     def floor(self, matmul_flops):              # mha.roofline, the bytes moving as fast as its cache was read
         return mha.roofline(self.flops, self.n_bytes, mha.Ceilings(self.cache_bytes / self.read_seconds, matmul_flops))
+
+
+# ----------------------------------------------------------------------------- main
+# What main() calls that is not above (the cache table, the timing, the plumbing) comes after it.
+def main(argv=None):
+    args = parse_args(argv)        # a bad flag or knob ends here, in one line (exit code 2)
+    print(f"Multi-head latent attention, d={D_MODEL}, h={N_HEADS}, dh={D_HEAD}: caches dc + dr = {D_LATENT} + "
+          f"{D_ROPE} = {D_LATENT + D_ROPE} numbers\nper token and layer, where MHA of the same heads caches "
+          f"2 h dh = {2 * N_HEADS * D_HEAD}\n")
+    ok = run_checks(args.seed)
+    print_cache_table()
+    steps, flops, elsewhere = measure_decode(DECODE_CONTEXTS, DECODE_ROUNDS, args.seed)
+    problems = timing_contradictions(steps, flops, elsewhere)
+    print_decode_table(steps, flops, problems)
+    print(f"\nNow change D_LATENT or D_ROPE and run again. All checks: {'OK' if ok else 'FAIL'}")
+    return 0 if ok else 1
+
+
+# ----------------------------------------------------------------------------- the cache table, the decode timing
+def print_cache_table():
+    """Section 2: the cache of DeepSeek's models under each kind of attention, and what MLA keeps."""
+    layers, h, dh, dc, dr = DEEPSEEK["DeepSeek-V2"]
+    n = latent_cache_bytes(layers, dc, dr, CACHE_TOKENS, bytes_per_elem=CACHE_BYTES_PER_ELEM)
+    n_mha = mha.kv_cache_bytes(layers, h, dh, CACHE_TOKENS, bytes_per_elem=CACHE_BYTES_PER_ELEM)
+    print(f"\n2. The cache, batch 1, {CACHE_TOKENS} tokens, {CACHE_BYTES_PER_ELEM} bytes per number (2 = bf16, a "
+          "convention: DeepSeek-V2 quantizes\n   its own to about 6 bits). GB = 1e9 bytes. DeepSeek-V2: "
+          f"latent_cache_bytes({layers}, {dc}, {dr}, {CACHE_TOKENS})\n   = {n:,} bytes = {n / 1e9:.2f} GB, against "
+          f"{n_mha / 1e9:.1f} GB for MHA of the same layers, h and dh.\n   MLA careless: every head's K (dh + dr "
+          "wide) and V rebuilt from the latent and kept.")
+    rows, widths = cache_rows(layers, h, dh, dc, dr), [10, 9, 9, 10, 15]    # one column per kind
+    print(f"   {'numbers per token-layer:':<29}" + "".join(f"{f:>{w}}" for (_, _, f), w in zip(rows, widths)))
+    print(f"   {'model':<17}{'layers':>7}{'h':>5}" + "".join(f"{k.replace(',', ''):>{w}}" for (k, _, _), w in
+                                                           zip(rows, widths)) + f"{'MLA vs MHA':>12}")
+    for name, shape in DEEPSEEK.items():
+        rows = cache_rows(*shape)
+        gbs = [shape[0] * numbers * CACHE_TOKENS * CACHE_BYTES_PER_ELEM / 1e9 for _, numbers, _ in rows]
+        cells = "".join(f"{f'{x:.2f} GB':>{w}}" for x, w in zip(gbs, widths))
+        print(f"   {name:<17}{shape[0]:>7}{shape[1]:>5}{cells}{rows[0][1] / rows[3][1]:>11.1f}x")
+    print(f"   MLA keeps {dc + dr} numbers per token-layer, {(dc + dr) / (2 * dh):g} times MQA's {2 * dh}, yet every "
+          "head has keys and values of its own.")
 
 
 def measure_decode(contexts, rounds, seed):
@@ -401,6 +419,7 @@ def timing_contradictions(steps, matmul_flops, elsewhere=0.0, slack=0.1):
 
 
 def print_decode_table(steps, matmul_flops, problems):
+    """Section 3: each step against its floor, then what they say, or NOT TRUSTWORTHY on a busy machine."""
     _, h, dh, dc, dr = DEEPSEEK["DeepSeek-V2"]
     print(f"\n3. Decode step: one layer's attention at DeepSeek-V2's shape (h={h}, dh={dh}, dc={dc}, dr={dr}), fp32,\n"
           f"   best of {DECODE_ROUNDS} rounds on {mha.machine_name()}. Ceilings measured in the same rounds: a "
@@ -429,21 +448,6 @@ def print_decode_table(steps, matmul_flops, problems):
           f"bytes) MLA does {mla_bf16:.0f} FLOPs per byte, {gqa.kind} {2 * gqa.flops / gqa.n_bytes:.0f}: an "
           f"{gpu_name}'s\n   ridge is at {ridge:.0f}: MLA's step lies {'below' if mla_bf16 < ridge else 'above'} it, "
           f"at {mla_bf16 / ridge:.2f}x the ridge, and {gqa.kind}'s far below it, waiting on memory.")
-
-
-# ----------------------------------------------------------------------------- main
-def main(argv=None):
-    args = parse_args(argv)        # a bad flag or knob ends here, in one line (exit code 2)
-    print(f"Multi-head latent attention, d={D_MODEL}, h={N_HEADS}, dh={D_HEAD}: caches dc + dr = {D_LATENT} + "
-          f"{D_ROPE} = {D_LATENT + D_ROPE} numbers\nper token and layer, where MHA of the same heads caches "
-          f"2 h dh = {2 * N_HEADS * D_HEAD}\n")
-    ok = run_checks(args.seed)
-    print_cache_table()
-    steps, flops, elsewhere = measure_decode(DECODE_CONTEXTS, DECODE_ROUNDS, args.seed)
-    problems = timing_contradictions(steps, flops, elsewhere)
-    print_decode_table(steps, flops, problems)
-    print(f"\nNow change D_LATENT or D_ROPE and run again. All checks: {'OK' if ok else 'FAIL'}")
-    return 0 if ok else 1
 
 
 # ----------------------------------------------------------------------------- plumbing: bad input in one sentence
