@@ -3,8 +3,10 @@ Multi-head latent attention (MLA): DeepSeek's answer to "what comes after GQA fo
 
 The chapter after mha.py. What it shows, top to bottom:
   1. LatentAttention: keys and values of every head come from one latent c = x W_DKV (dc numbers per token),
-     expanded per head by W_UK and W_UV, plus one RoPE key shared by all heads. The cache keeps c and that
-     key: dc + dr numbers per token and layer, however many heads (DeepSeek-V2: 576, against MHA's 32,768).
+     expanded per head by W_UK and W_UV, plus one RoPE key k_R shared by all heads (RoPE, rope() below: a key
+     turned by an angle that grows with its position, so that a score sees how far apart query and key are).
+     The cache keeps c and k_R: dc + dr numbers per token and layer, however many heads (DeepSeek-V2: 576,
+     against MHA's 32,768).
   2. Weight absorption, proven: the naive path rebuilds every head's K and V from the cache; the absorbed path
      folds W_UK into the queries and applies W_UV after attention, and never builds them. The same function
      (within 1e-12 in float64), and its decode step IS multi-query attention with one K/V head [c; k_R] and
