@@ -18,8 +18,8 @@ The chapter after mha.py. What it shows, top to bottom:
 
 Not here: query compression (DeepSeek-V2 has it, V2-Lite not: it saves activations, not cache); the RMSNorm
 on the latent (kv_a_layernorm): it comes before caching and its scale folds into W_UK and W_UV, so absorption
-and the cache size are unaffected; a quantized cache (DeepSeek-V2 keeps about 6 bits per number, section
-3.2.3: the table's 2 bytes are a convention); YaRN's RoPE scaling; training; GPU kernels.
+and the cache size are unaffected; a quantized cache (see CACHE_BYTES_PER_ELEM); YaRN's RoPE scaling;
+training; GPU kernels.
 
 Run:    python mla.py  (a few seconds on a 2-core CPU), then edit D_LATENT or D_ROPE and run it again.
 Papers: DeepSeek-AI 2024, "DeepSeek-V2", arXiv:2405.04434 (section 2.1: MLA); DeepSeek-AI 2024, "DeepSeek-V3
@@ -191,10 +191,9 @@ class LatentAttention(nn.Module):
         h, dh, dc = self.n_heads, self.d_head, self.d_latent
         w_uv = self.w_uv.weight.view(h, dh, dc)            # (h*dh, dc) -> (h, dh, dc), rows as in absorb_query
         return o_lat @ w_uv.transpose(1, 2)                # (B, h, T, dc) @ (h, dc, dh) -> (B, h, T, dh)
-    # The paper says W_UK "can be absorbed into" W_Q and W_UV into W_O: multiplied ahead of time. Applied on
-    # the fly, as here and in DeepSeek's inference code, they stay small: at DeepSeek-V2-Lite's shape (d = 2048,
-    # 16 heads, queries not compressed, as here) W_Q W_UK would hold h d dc = 16.8M numbers per layer, against 5.2M
-    # for the two; DeepSeek-V2 compresses its queries to 1536 numbers first: 101M for the product, 34M for the two.
+    # The paper says W_UK "can be absorbed into" W_Q and W_UV into W_O: multiplied ahead of time. Applied on the
+    # fly, as here and in DeepSeek's inference code, they stay small: at DeepSeek-V2-Lite's shape (d = 2048, h = 16,
+    # no query compression) W_Q W_UK holds h d dc = 16.8M numbers per layer, the two 5.2M (V2: 101M against 34M).
 
     def new_cache(self, batch, max_len):
         """An empty LatentCache for `batch` sequences of up to `max_len` tokens, in the weights' dtype and device."""
@@ -367,10 +366,8 @@ def print_cache_table():
 
 
 def measure_decode(contexts, rounds, seed):
-    """([Step] by context, the matmul's FLOP/s, the cores other programs kept busy), measured as in mha.py: MLA
-    (latent_attend), MHA and GQA (mha.attend) at DeepSeek-V2's shape in fp32. A round times a square matmul, then,
-    longest context first, at each every read of a step's own cache, then every step, so that the others' data
-    pass through the CPU's caches between a step and its read; each keeps its best round."""
+    """([Step] by context, the matmul's FLOP/s, the cores other programs kept busy): MLA (latent_attend), MHA and
+    GQA (mha.attend) at DeepSeek-V2's shape in fp32, in rounds ordered as mha.measure_decode's, best of them."""
     _, h, dh, dc, dr = DEEPSEEK["DeepSeek-V2"]
     s_max, scale = max(contexts), (dh + dr) ** -0.5
     torch.manual_seed(seed)
@@ -407,8 +404,7 @@ def measure_decode(contexts, rounds, seed):
 
 
 def timing_contradictions(steps, matmul_flops, elsewhere=0.0, slack=0.1):
-    """What cannot be true of a quiet machine, as mha.py checks it ([] if nothing): other programs keeping a quarter
-    of a core busy, a step `slack` under its floor, or (from 1024 tokens) GQA `slack` slower than MHA."""
+    """[] or what cannot be true of a quiet machine: others busy, a step under its floor, GQA slower than MHA."""
     problems = [f"other programs kept {elsewhere:.1f} cores busy"] if elsewhere > 0.25 else []
     mha_at = {step.S: step.seconds for step in steps if step.kind == "MHA"}
     for step in steps:
@@ -453,14 +449,11 @@ def print_decode_table(steps, matmul_flops, problems):
 
 
 # ----------------------------------------------------------------------------- plumbing: bad input in one sentence
-# As in mha.py: what a learner can get wrong ends in one sentence, before anything is computed or written; what
-# only an adversary builds (caches whose tensors alias, sparse tensors, ...) gets PyTorch's own error.
+# As in mha.py: one sentence, before anything is computed, for what a learner can get wrong; PyTorch's for the rest.
 def check_sizes(d_model, n_heads, d_head, d_latent, d_rope):
     """LatentAttention's sizes: whole numbers from 1, d_rope even."""
-    for name, value in zip(("d_model", "n_heads", "d_head", "d_latent", "d_rope"),
-                           (d_model, n_heads, d_head, d_latent, d_rope)):
-        if mha.whole_number(name, value) < 1:
-            raise ValueError(f"{name}={value} must be at least 1")
+    mha.check_counts([("d_model", d_model, 1), ("n_heads", n_heads, 1), ("d_head", d_head, 1),
+                      ("d_latent", d_latent, 1), ("d_rope", d_rope, 1)])
     if d_rope % 2:
         raise ValueError(f"d_rope={d_rope} must be even: RoPE turns its dimensions in pairs")
 
