@@ -6,7 +6,7 @@ language model built around mha.CausalMHA on Python's own documentation (pydoc_d
 reports validation loss in bits per character, with a 95 % confidence interval for every comparison.
   A. From scratch: MHA, GQA-4, GQA-2 and MQA, a seed's configurations starting from one initialisation and
      seeing the same batches. Built to resolve MQA's cost: MHA and MQA train on 5 seeds, 81 % power at the
-     effect measured beforehand on seeds 10-15 (+0.033 bits/char, sd 0.019, at 1800 steps); GQA-4 and GQA-2
+     effect measured beforehand on seeds 10 to 15 (+0.033 bits/char, sd 0.019, at 1800 steps); GQA-4 and GQA-2
      on the first 3 seeds, all that 12 minutes on 2 cores leave.
   B. Conversion (Ainslie et al. 2023, sections 2.1-2.2): each trained MHA of those 3 seeds becomes GQA/MQA by
      pooling its K/V heads, then trains 5 % more, beside the control: the same MHA trained on in the same way.
@@ -14,7 +14,7 @@ reports validation loss in bits per character, with a 95 % confidence interval f
   D. Head ablation (Michel et al. 2019): how much one trained MHA needs each head, and how many can go.
 It does not claim the cost at scale (d=64, two layers, minutes of training); no dropout, GPU, tokenizer.
 
-Run it:   python quality.py           (10 to 12 minutes on a 2-core AMD EPYC; writes figures/)
+Run it:   python quality.py           (5 to 12 minutes on a 2-core AMD EPYC, by its speed that day; writes figures/)
           python quality.py --quick   (about a minute: a smoke run for trying an edit; it resolves nothing)
 
 Papers: Vaswani et al. 2017, arXiv:1706.03762; Shazeer 2019 (MQA), arXiv:1911.02150; Ainslie et al. 2023 (GQA),
@@ -69,7 +69,7 @@ BLOCKS = 16           # D's intervals: over 16 blocks of 16 consecutive windows 
 PASSAGE = 36          # characters of the passage whose attention maps are drawn (C)
 PRUNE_MARKS, PRUNE_LIMIT = (1, 2, 4, 8, 12), 0.05   # D: pruning printed after these many heads; can go: rise < 0.05
 WORKERS = 2           # processes that train models side by side, one torch thread each (see "on both cores")
-STEP_SECONDS = 0.037  # a training step in each of 2 workers on the AMD EPYC: the estimate printed first
+STEP_SECONDS = 0.042  # a step in each of 2 workers side by side, AMD EPYC (22 to 47 ms, by the day): the estimate
 OUT_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "figures")
 FIGURES = ("quality.png", "trained_attention_maps.png")
 
@@ -289,7 +289,7 @@ def verdict(diffs, worse="worse than MHA", better="better than MHA"):
 
 def tested_in_order():
     """A's comparisons, fewest K/V heads first, each tested only if the one before was resolved (a fixed
-    sequence): any false verdict among them stays at 5 % with no interval widened (Holm would resolve none)."""
+    sequence): any false verdict among them stays at most 5 %, no interval widened (Holm tests the first at 1.7 %)."""
     return sorted((name for name, kv in CONFIGS.items() if kv != N_HEADS), key=CONFIGS.get)
 
 
@@ -326,7 +326,7 @@ def print_table_a(scratch, steps):
     print("   paired: a seed's configurations share their initialisation and every batch; the difference to MHA "
           "is its mean\n   over seeds and, in brackets, its 95% confidence interval. Tested in the order fixed in "
           f"advance, {', '.join(tested_in_order())},\n   each only if the one before was resolved: the chance of any "
-          "false verdict among them is 5%")
+          "false verdict among them is at most 5%")
     print(f"   {'config':<7}{'K/V heads':>10}{'params':>9}{'KV bytes/token':>16}{'seeds':>7}{'mean':>8}{'sd':>7}"
           f"   {'minus MHA [95% interval]':<25} verdict")
     said, previous = {}, None
@@ -393,8 +393,8 @@ def print_table_b(curves, scratch, steps):
         label = "(control)" if pool == "none" else pool + " pool" * (pool == "mean")
         print(f"   {name:<7}{label:<11}{statistics.mean([curves[s][name, pool][0] for s in seeds]):>12.3f}{after}   "
               f"{versus:<25}{statistics.mean([scratch[name][s][1] for s in seeds]):>16.3f}")
-    # Two findings of Ainslie et al., each paired by seed: mean pooling starts better than random K/V heads,
-    # and, in their Figure 4 (MQA after 5 % uptraining), ends a little better than keeping the first head.
+    # Ainslie et al.'s Figure 4 (MQA, each uptrained 5 %) ranks mean pool, then first head, then random K/V heads.
+    # Here, paired by seed: mean pool vs random right after conversion (random is not uptrained), vs first after.
     for title, other, column in (("right after conversion", "random K/V", 0), (f"after {col}", "first head", up)):
         print(f"   mean pool minus {other}, {title}, paired by seed [95% interval]:")
         for name in (n for n in CONFIGS if n != "MHA"):
