@@ -3,8 +3,8 @@ Multi-head latent attention (MLA): DeepSeek's answer to "what comes after GQA fo
 
 The chapter after mha.py. What it shows, top to bottom:
   1. LatentAttention: keys and values of every head come from one latent c = x W_DKV (dc numbers per token),
-     expanded per head by W_UK and W_UV, plus one RoPE key k_R shared by all heads (RoPE, rope() below: a key
-     turned by an angle that grows with its position, so that a score sees how far apart query and key are).
+     expanded per head by W_UK and W_UV, plus one RoPE key k_R shared by all heads (RoPE, rope() below: query and
+     key each turned by an angle that grows with its position, so that their score sees how far apart they are).
      The cache keeps c and k_R: dc + dr numbers per token and layer, however many heads (DeepSeek-V2: 576,
      against MHA's 32,768).
   2. Weight absorption, proven: the naive path rebuilds every head's K and V from the cache; the absorbed path
@@ -126,8 +126,8 @@ class LatentAttention(nn.Module):
         q_C,i from x W_Q (dh),  q_R,i = RoPE(x W_QR) (dr).
     Why the RoPE key is decoupled: q_C,i . k_C,i,s = (W_UK,i^T q_C,i) . c_s, so W_UK,i can move to the query
     side, once per query instead of once per cached token. Rotating k_C would put the turn R_s of key s between
-    them: q_C,i . (R_s W_UK,i c_s) = (W_UK,i^T R_s^T q_C,i) . c_s, a matrix that changes with every key s, so no one
-    absorbed query serves them all (rope() shows what R_s is).
+    them: q_C,i . (R_s W_UK,i c_s) = (W_UK,i^T R_s^T q_C,i) . c_s, and W_UK,i^T R_s^T changes with every key s: no
+    one absorbed query serves them all (rope() shows what R_s is).
     So the position travels in dr extra dimensions of its own, and c stays free of it.
     """
 

@@ -69,7 +69,7 @@ BLOCKS = 16           # D's intervals: over 16 blocks of 16 consecutive windows 
 PASSAGE = 36          # characters of the passage whose attention maps are drawn (C)
 PRUNE_MARKS, PRUNE_LIMIT = (1, 2, 4, 8, 12), 0.05   # D: pruning printed after these many heads; can go: rise < 0.05
 WORKERS = 2           # processes that train models side by side, one torch thread each (see "on both cores")
-STEP_SECONDS = 0.042  # a step in each of 2 workers side by side, AMD EPYC (22 to 47 ms, by the day): the estimate
+STEP_SECONDS = 0.042  # a step in each of 2 workers side by side, AMD EPYC (21 to 47 ms, by the day): the estimate
 OUT_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "figures")
 FIGURES = ("quality.png", "trained_attention_maps.png")
 
@@ -289,7 +289,7 @@ def verdict(diffs, worse="worse than MHA", better="better than MHA"):
 
 def tested_in_order():
     """A's comparisons, fewest K/V heads first, each tested only if the one before was resolved (a fixed
-    sequence): any false verdict among them stays at most 5 %, no interval widened (Holm tests the first at 1.7 %)."""
+    sequence): any false verdict among them stays at most 5 %, no interval widened (Holm: the smallest p at 1.7 %)."""
     return sorted((name for name, kv in CONFIGS.items() if kv != N_HEADS), key=CONFIGS.get)
 
 

@@ -388,7 +388,7 @@ def test_the_table_and_the_lesson_are_made_from_the_numbers(capsys):
     assert mla_row == ["1024", "MLA", "97.8", "10.0", "compute", "2.852", "4.000", "71%", "15.0x"], mla_row
     assert "At 2048 tokens MLA does 4.25x MHA's FLOPs on 1/51 of its bytes and is 15.0x faster (compute-bound," in out
     assert "MHA memory-bound). In bf16 (half the bytes) MLA does 216 FLOPs per byte, GQA-8 16" in out
-    # An H100's ridge, 989e12 / 3.35e12 = 295 FLOPs per byte, lies above MLA's 216: memory-bound there, barely
+    # An H100's ridge, 989e12 / 3.35e12 = 295 FLOPs per byte, lies above MLA's 216: memory-bound there, at 0.73x
     assert "ridge is at 295: MLA's step lies below it, at 0.73x the ridge, and GQA-8's far below it, waiting" in out
 
 
