@@ -87,9 +87,10 @@ def attend_one_head(q, k, v):
 
     q: (T, dh), the queries of the T newest tokens; k, v: (S, dh), the keys and values of all S tokens so far,
     the T newest last. A query scores every key by a dot product: a sum of dh products of independent numbers
-    of mean 0 and standard deviation 1 has standard deviation sqrt(dh), and dividing by it keeps the softmax
-    from saturating (one weight near 1, the rest near 0). The softmax turns a query's scores into weights p
-    that sum to 1; o is the values' average, weighted by p. The README's example, in a REPL (from mha import *):
+    of mean 0 and standard deviation 1. Each product has variance 1, variances of independent terms add, so the
+    sum has variance dh and standard deviation sqrt(dh): dividing by it keeps the softmax from saturating (one
+    weight near 1, the rest near 0). The softmax turns a query's scores into weights p that sum to 1; o is the
+    values' average, weighted by p. The README's example, in a REPL (from mha import *):
     k = torch.tensor([[1., 0.], [0., 1.], [1., 1.]])       # (S, dh) = (3, 2): the keys, also the values
     q = torch.tensor([[1., 0.], [1., 0.], [1., 0.]])       # (T, dh) = (3, 2): every query (1, 0)
     attend_one_head(q, k, k)[0][2]                         # token 2: tensor([0.8022, 0.5989])
@@ -180,9 +181,8 @@ class CausalMHA(nn.Module):
             o, p = attend_fused(q, k, v), None             # (B, h, T, dh)
         else:
             o, p = attend(q, k, v)                         # attend_textbook's o, p without copying K/V (second pass)
-        # Back: transpose(1, 2) puts tokens first again without moving a number (it changes only how the tensor is
-        # walked), so a token's heads are not side by side in memory unless T or h is 1: reshape copies them there,
-        # where view would refuse.
+        # Back: transpose(1, 2) puts tokens first again but moves no number (only how the tensor is walked), so a
+        # token's heads lie apart in memory unless T or h is 1: reshape copies them together, where view would refuse.
         o = o.transpose(1, 2).reshape(B, T, h * dh)        # (B, h, T, dh) -> (B, T, h*dh = d): heads side by side
         y = self.out_proj(o)                               # (B, T, d): one matrix mixes the heads
         return (y, p) if need_weights else y
