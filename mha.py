@@ -160,8 +160,7 @@ class CausalMHA(nn.Module):
         """x: (B, T, d) -> y: (B, T, d), or (y, attention weights (B, h, T, S)) with need_weights.
 
         With a cache, x holds only the new tokens: their keys and values are appended to the cache, and each attends
-        to all cached tokens and to the new ones up to itself. fused=True computes the same attention in one PyTorch
-        call instead (attend_fused, second pass)."""
+        to all cached tokens and the new ones up to itself. fused=True: the same in one PyTorch call (attend_fused)."""
         check_call(self, x, need_weights, cache, fused)    # a one-sentence error, before the cache is written
         B, T, _ = x.shape
         h, kv, dh = self.n_heads, self.n_kv_heads, self.d_head
@@ -220,9 +219,7 @@ def check_cache(n_kv_heads, seed):
     attn = random_module(n_kv_heads, seed + 2)             # the demo's shape, random weights (after main())
     x = torch.randn(BATCH, SEQ_LEN, D_MODEL)               # (B, T, d)
     cache = attn.new_cache(BATCH, SEQ_LEN)                 # room for all SEQ_LEN tokens of each sequence
-    prompt = SEQ_LEN // 2                                  # SEQ_LEN = 12: tokens 0:6, 6:8, 8:9, 9:10, 10:11, 11:12
-    chunks = [(0, prompt), (prompt, min(prompt + 2, SEQ_LEN))]        # (start, end): the prompt, then 2 tokens,
-    chunks += [(start, start + 1) for start in range(prompt + 2, SEQ_LEN)]   # then one token at a time
+    chunks = prompt_chunks(SEQ_LEN)                        # (start, end), after main(); 12: 0:6, 6:8, 8:9, ..., 11:12
     with torch.no_grad():
         full = attn(x)
         steps = [attn(x[:, start:end], cache=cache) for start, end in chunks]
@@ -465,6 +462,13 @@ def max_diff_vs_sdpa(attn, x):
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)   # (B, h, T, dh)
         y_ref = attn.out_proj(o.transpose(1, 2).reshape(B, T, h * dh))   # (B, h, T, dh) -> (B, T, d)
     return (y - y_ref).abs().max().item()
+
+
+def prompt_chunks(T):
+    """(start, end) of the chunks a cache is fed, here and in mla.py: a prompt of T // 2 tokens, 2, then 1 at a time."""
+    prompt = T // 2
+    chunks = [(0, prompt), (prompt, min(prompt + 2, T))]   # the prompt, then 2 tokens (T > 2) at once,
+    return chunks + [(start, start + 1) for start in range(prompt + 2, T)]   # then one token at a time
 
 
 def random_module(n_kv_heads, seed):

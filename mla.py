@@ -265,9 +265,7 @@ def run_checks(seed):
     ok = mha.report("float64: max |absorbed - naive| / max |naive|", absorbed_vs_naive(attn64, x64), 1e-12)
     ok &= mha.report("float32: the same, exact in algebra but not rounding", absorbed_vs_naive(attn32, x32), 1e-5)
     ok &= mha.report("decode step vs MQA: key [c; k_R], value c (float64)", mqa_identity_gap(attn64, x64), 1e-12)
-    prompt = SEQ_LEN // 2                                  # as in mha.check_cache: SEQ_LEN = 12: 0:6, 6:8, 8:9, ...
-    chunks = [(0, prompt), (prompt, min(prompt + 2, SEQ_LEN))]        # (start, end): the prompt, then 2 tokens,
-    chunks += [(start, start + 1) for start in range(prompt + 2, SEQ_LEN)]   # then one token at a time
+    chunks = mha.prompt_chunks(SEQ_LEN)                    # as mha.check_cache feeds them: SEQ_LEN = 12: 0:6, 6:8, ...
     sizes = [end - start for start, end in chunks]         # SEQ_LEN = 12: 6, 2, 1, 1, 1, 1
     print(f"  cached, float32: chunks of {sizes} tokens, against one full forward")
     for absorbed in (False, True):
