@@ -392,8 +392,36 @@ def test_the_table_and_the_lesson_are_made_from_the_numbers(capsys):
     assert "ridge is at 295: MLA's step lies below it, at 0.73x the ridge, and GQA-8's far below it, waiting" in out
 
 
-def test_measure_decode_on_tiny_contexts():
+def test_measure_decode_on_tiny_contexts(monkeypatch):
+    """One step per kind and context, and each step and each read gets its own context's cache, not all of it."""
+    timed = []                                   # what each timed call got: its kind and its cache's shapes
+    real_latent, real_attend, real_sum = mla.latent_attend, mha.attend, torch.Tensor.sum
+
+    def latent_attend(q_lat, q_rope, c, k_rope, scale):
+        timed.append(("MLA", c.shape, k_rope.shape))
+        return real_latent(q_lat, q_rope, c, k_rope, scale)
+
+    def attend(q, k, v):
+        timed.append(("attend", k.shape, v.shape))
+        return real_attend(q, k, v)
+
+    def total(t):
+        timed.append(("read", t.shape))
+        return real_sum(t)
+
+    monkeypatch.setattr(mla, "latent_attend", latent_attend)
+    monkeypatch.setattr(mha, "attend", attend)
+    monkeypatch.setattr(torch.Tensor, "sum", total)
     got, flops, elsewhere = mla.measure_decode((128, 64), 1, 0)
+    monkeypatch.undo()
+    h, dh, dc, dr = 128, 128, 512, 64            # DeepSeek-V2's heads, head width, latent and RoPE key
+    one_round = []
+    for S in (128, 64):                          # longest context first; at each, every read, then every step
+        one_round += [("read", (1, S, dc)), ("read", (1, S, dr))]                      # MLA's c and k_R
+        one_round += [("read", (2, 1, kv, S, dh)) for kv in (h, 8)]                    # MHA's, GQA-8's K and V
+        one_round += [("MLA", (1, S, dc), (1, S, dr))]
+        one_round += [("attend", (1, kv, S, dh), (1, kv, S, dh)) for kv in (h, 8)]
+    assert timed == one_round
     assert [(s.kind, s.S) for s in got] == [(k, S) for S in (64, 128) for k in ("MLA", "MHA", "GQA-8")]
     assert all(0 < s.seconds < 1 and 0 < s.read_seconds < 1 for s in got) and flops > 1e8 and elsewhere >= 0
     assert [s.cache_bytes for s in got[:3]] == [64 * 576 * 4, mha.decode_bytes(128, 128, 64), mha.decode_bytes(8, 128, 64)]

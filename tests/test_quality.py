@@ -368,6 +368,13 @@ def test_the_fixed_sequence_tests_each_only_if_the_one_before_was_resolved(mqa, 
     assert [found[n].endswith(s) for n, s in zip(["MQA", "GQA-2", "GQA-4"], said)] == [True] * 3, found
 
 
+def test_each_difference_pairs_a_seed_with_the_mha_of_the_same_seed():
+    """MHA's loss moves from seed to seed and GQA-4 follows it 0.05 above: every paired difference is 0.05."""
+    scratch = {"MHA": {s: (None, 2.0 + 0.1 * s) for s in (5, 6, 7, 8, 9)},
+               "GQA-4": {s: (None, 2.05 + 0.1 * s) for s in (5, 6, 7)}}
+    assert quality.gaps(scratch, "GQA-4") == pytest.approx([0.05, 0.05, 0.05])
+
+
 def test_what_pairing_buys_compares_the_paired_sd_with_the_unpaired_one(capsys):
     quality.print_table_a(scratch_of({"GQA-4": [0.0, 0.1, 0.2], "GQA-2": [0.1, 0.1, 0.1], "MQA": [0.1, 0.2, 0.3, 0.4, 0.5]}), 1)
     line = capsys.readouterr().out.split("of unpaired ones: ")[1]
