@@ -7,6 +7,7 @@ import sys
 import torch
 
 import bench
+import mha
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -71,3 +72,40 @@ def test_a_reader_that_goes_away_ends_it_quietly():
     p.stdout.close()
     err = p.stderr.read()
     assert p.wait(timeout=300) == 1 and first.startswith(b"torch ") and err == b"", err.decode()
+
+
+def fake_decode_times(parts_over_floor):
+    """decode_times as a quiet machine with a 40 GB/s read and a 160 GFLOP/s matmul would measure it at 4096
+    tokens: each attention parts_over_floor[kind] x its roofline floor, each whole step 2 x its own floor."""
+    def decode_times(S, h, dh):
+        flops, memory = 160e9, 40e9
+        kv_bytes = {kind: mha.decode_bytes(kv, dh, S) for kind, kv in bench.KINDS.items()}
+        weights = dict.fromkeys(bench.KINDS, 10**6)
+        floors = {kind: max(n / memory, mha.decode_flops(h, dh, S) / flops) for kind, n in kv_bytes.items()}
+        steps = {kind: [2 * (weights[kind] + n) / memory] * 3 for kind, n in kv_bytes.items()}
+        parts = {kind: [parts_over_floor[kind] * floors[kind]] * 3 for kind in bench.KINDS}
+        alone = {kind: [0.9 * t for t in parts[kind]] for kind in bench.KINDS}
+        reads = {kind: [n / memory] * 3 for kind, n in kv_bytes.items()}
+        return steps, parts, alone, reads, [1e-3] * 3, [1e-2] * 3, flops, weights
+    return decode_times
+
+
+def test_the_decode_goals_follow_from_the_floors(monkeypatch, capsys):
+    """At 4096 tokens MHA's floor is its read, 134 MB / 40 GB/s = 3.36 ms, and MQA's its FLOPs, 67 MFLOP / 160
+    GFLOP/s = 0.42 ms: MQA's attention must be 0.2 x 8 = 1.6x faster than MHA's. Each at twice its floor: 8x."""
+    monkeypatch.setattr(bench, "CONTRADICTIONS", [])
+    monkeypatch.setattr(bench, "decode_times", fake_decode_times({"MHA": 2.0, "GQA-8": 2.0, "MQA": 2.0}))
+    bench.bench_decode(contexts=(4096,))
+    out = capsys.readouterr().out
+    assert "every attention reaches at least 50% of its floor: goal met (>= 20%)" in out
+    assert "MQA attention 8.0x faster than MHA: goal met (>= 1.6x)" in out
+    assert "without copying K/V 1.000 ms, copied to 32 heads first 10.000 ms: 10.0x, goal met (>= 5x)" in out
+    assert bench.CONTRADICTIONS == []
+
+
+def test_an_attention_below_its_floor_is_a_contradiction(monkeypatch, capsys):
+    monkeypatch.setattr(bench, "CONTRADICTIONS", [])
+    monkeypatch.setattr(bench, "decode_times", fake_decode_times({"MHA": 2.0, "GQA-8": 2.0, "MQA": 0.5}))
+    bench.bench_decode(contexts=(4096,))
+    assert "every attention reaches at least 50% of its floor" in capsys.readouterr().out
+    assert bench.CONTRADICTIONS == ["attention MQA at 4096 tokens 50% below its floor"]

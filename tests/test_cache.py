@@ -330,6 +330,12 @@ def test_the_decode_figure_builds_from_a_fake_measurement():
     fig = mha.plot_decode_time(timing, [])
     left, right = fig.axes
     assert len(left.lines) == 8 and not any("NOT TRUSTWORTHY" in t.get_text() for t in fig.texts)
+    for i, kv in enumerate((32, 8, 4, 1)):       # each configuration's times, then its floor, dashed, per context
+        measured, floor = left.lines[2 * i], left.lines[2 * i + 1]
+        assert list(measured.get_xdata()) == list(floor.get_xdata()) == list(timing.contexts)
+        assert list(measured.get_ydata()) == pytest.approx([t * 1e3 for t in timing.steps[kv]])
+        assert list(floor.get_ydata()) == pytest.approx([timing.floor(kv, S)[0] * 1e3 for S in timing.contexts])
+        assert floor.get_linestyle() == "--"
     dots = [line for line in right.lines if line.get_marker() == "o"]
     assert [d.get_xdata()[0] for d in dots] == [0.5, 2.0, 4.0, 16.0]
     for d, kv in zip(dots, (32, 8, 4, 1)):       # each dot at its measured GFLOP/s: floor's rate / 1.5

@@ -351,6 +351,17 @@ def test_a_closed_pipe_ends_quietly(tmp_path, unbuffered):
     assert sorted(os.listdir(tmp_path)) == ([] if unbuffered else sorted(FIGURES))
 
 
+def test_a_pipe_closed_before_the_first_line_ends_quietly(tmp_path):
+    """python mha.py | true: the reader is gone before anything arrives. Buffered, the run completes and its
+    last flush meets the closed pipe: exit 1, and nothing on stderr, not even Python's own complaint at exit."""
+    p = subprocess.Popen([sys.executable, SCRIPT, "--out-dir", str(tmp_path)], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, env=dict(os.environ, PYTHONUNBUFFERED=""))
+    p.stdout.close()
+    err = p.stderr.read()
+    assert p.wait(timeout=300) == 1 and err == b"", err.decode()
+    assert sorted(os.listdir(tmp_path)) == sorted(FIGURES)
+
+
 def test_out_dir_under_a_file_or_a_file(tmp_path, capsys):
     blocker = tmp_path / "a_file"
     blocker.write_text("not a folder")
