@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+import types
 
 import pytest
 import torch
@@ -422,6 +423,27 @@ def test_conversion_batches_follow_the_training_batches(data):
     assert not torch.equal(data.batches(5, 10), data.batches(6, 10))
 
 
+def test_table_b_pairs_each_conversion_with_the_control_of_its_seed(capsys):
+    """The control's loss moves with the seed and each mean-pooled conversion ends 0.2 above it on every seed:
+    the difference is exactly +0.2, with no width, only if each seed meets its own control."""
+    seeds, steps = (0, 1, 2), 20                 # 20 steps: 1 step of further training
+    up = quality.uptrain_steps(steps)
+    curves = {s: {("MHA", "none"): {0: 1.9, up: 2.0 + 0.1 * s}} for s in seeds}
+    for s in seeds:
+        for name in ("GQA-4", "GQA-2", "MQA"):
+            curves[s][name, "mean"] = {0: 5.0, up: 2.2 + 0.1 * s}
+            curves[s][name, "first"] = {0: 6.0, up: 2.3 + 0.1 * s}
+            curves[s][name, "random"] = {0: 7.0}
+    scratch = {name: {s: (None, 2.0) for s in seeds} for name in quality.CONFIGS}
+    quality.print_table_b(curves, scratch, steps)
+    lines = capsys.readouterr().out.splitlines()
+    mean_rows = [line for line in lines if line.split()[1:3] == ["mean", "pool"]]
+    first_rows = [line for line in lines if line.split()[1:2] == ["first"]]
+    assert len(mean_rows) == len(first_rows) == 3
+    assert all("+0.200 [+0.200, +0.200]" in line for line in mean_rows), mean_rows
+    assert all("+0.300 [+0.300, +0.300]" in line for line in first_rows), first_rows
+
+
 def test_the_control_is_trained_on_a_copy(data, monkeypatch):
     """A worker's MHA shares its tensors with every process: the control must train a copy, or it would
     change the MHA that the other conversions and tables C and D read."""
@@ -431,6 +453,15 @@ def test_the_control_is_trained_on_a_copy(data, monkeypatch):
     before = {k: v.clone() for k, v in model.state_dict().items()}
     curve = quality.convert_and_train("MHA", "none", 0, 40, model)
     assert curve[2] < curve[0] and all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    trained_on, real_train = [], quality.train
+
+    def train(model, data, starts, *rest):
+        trained_on.append(starts)
+        return real_train(model, data, starts, *rest)
+
+    monkeypatch.setattr(quality, "train", train)
+    quality.convert_and_train("MQA", "mean", 0, 40, model)
+    assert torch.equal(trained_on[0], data.batches(0, 42)[40:])   # the 2 windows after A's 40 steps, not A's first
     assert list(quality.convert_and_train("MQA", "random", 0, 40, model)) == [0]        # right after only
 
 
@@ -465,6 +496,27 @@ def test_head_roles_known_answer(data):
     share = sum(data.chars[c].isspace() for c in data.val_x.flatten().tolist()) / data.val_x.numel()
     assert abs(chance["whitespace"] - share) < 0.03
     assert quality.strongest(roles, chance, 0, 0) == ("previous", pytest.approx(1 / level))
+
+
+def test_head_roles_finds_word_starts():
+    """'ab ab': the word that holds each position starts at 0, 0, 0 (the space ends the first word), 3, 3. A head
+    that attends to exactly those keys puts all its weight on word starts; one that attends to the space, none."""
+    chars = [" ", "a", "b"]
+    x = torch.tensor([[1, 2, 0, 1, 2]])                                    # 'ab ab': (N=1, T=5)
+    data = types.SimpleNamespace(val_x=x, chars=chars)
+    starts, spaces = [0, 0, 0, 3, 3], [0, 0, 2, 2, 2]
+
+    class Fake(torch.nn.Module):
+        def forward(self, x, need_weights=False):
+            p = torch.zeros(1, quality.N_HEADS, 5, 5)                       # (N, h, T, T)
+            p[0, 0, torch.arange(5), torch.tensor(starts)] = 1.0           # head 0: each word's start
+            p[0, 1:, torch.arange(5), torch.tensor(spaces)] = 1.0          # the others: the space, or key 0
+            return None, [p]
+
+    roles, _ = quality.head_roles(Fake(), data)
+    assert roles["word start"][0, 0].item() == pytest.approx(1.0)
+    assert roles["word start"][0, 1].item() == pytest.approx(0.25)        # rows 1 to 4: only row 1's key 0
+    assert roles["whitespace"][0, 1].item() == pytest.approx(0.75)
 
 
 def student_t_cdf(t, df, n=20_000):
