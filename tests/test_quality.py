@@ -6,6 +6,7 @@ import os
 import pathlib
 import re
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -297,7 +298,8 @@ def test_bad_flag_from_the_command_line_writes_nothing(tmp_path):
 @pytest.mark.parametrize("knob, value, words", [
     ("CONFIGS", {"MHA": 8, "GQA-3": 3, "MQA": 1}, ["CONFIGS=", "positive divisor"]),
     ("CONFIGS", {"GQA-4": 4, "MQA": 1}, ["'MHA' to N_HEADS=8"]),
-    ("UPTRAIN", 0, ["UPTRAIN=0", "in (0, 1]"]), ("UPTRAIN", (0.05,), ["UPTRAIN=(0.05,)"]),
+    ("UPTRAIN", 0, ["UPTRAIN=0", "in (0, 1]"]), ("UPTRAIN", 1.5, ["UPTRAIN=1.5", "in (0, 1]"]),
+    ("UPTRAIN", (0.05,), ["UPTRAIN=(0.05,)"]),
     ("WORKERS", 0, ["WORKERS=0", "at least 1"]), ("WORKERS", 1.5, ["WORKERS=1.5"]), ("WORKERS", True, ["WORKERS=True"]),
     ("GQA_SEEDS", 0, ["GQA_SEEDS=0", "at least 1"]),
 ])
@@ -496,6 +498,29 @@ def test_head_roles_known_answer(data):
     share = sum(data.chars[c].isspace() for c in data.val_x.flatten().tolist()) / data.val_x.numel()
     assert abs(chance["whitespace"] - share) < 0.03
     assert quality.strongest(roles, chance, 0, 0) == ("previous", pytest.approx(1 / level))
+
+
+def test_quality_figure_draws_each_configuration_at_its_cache_bytes_with_its_interval():
+    """Left panel: each configuration's seeds as dots at its KV bytes per token, their mean with its 95 % interval
+    (quality.interval, Student's t), not the seeds' range; right panel: one bar per head."""
+    from matplotlib.collections import PathCollection
+    losses = {"MHA": [2.00, 2.02, 1.99, 2.01, 2.03], "GQA-4": [2.05, 2.01, 2.04], "GQA-2": [2.06, 2.02, 2.08],
+              "MQA": [2.10, 2.07, 2.12, 2.09, 2.11]}
+    scratch = {name: {seed: (None, loss) for seed, loss in enumerate(ls)} for name, ls in losses.items()}
+    heads = [(i, j) for i in range(quality.N_LAYERS) for j in range(quality.N_HEADS)]
+    g = torch.Generator().manual_seed(0)
+    alone = {hd: torch.rand(quality.EVAL_WINDOWS, generator=g) * 0.1 for hd in heads}
+    roles = {r: torch.rand(quality.N_LAYERS, quality.N_HEADS, generator=g)
+             for r in ("previous", "itself", "whitespace", "word start")}
+    fig = quality.plot_quality(scratch, 10, (alone, heads, [0.0] * len(heads)), roles, dict.fromkeys(roles, 0.1), 0)
+    left, right = fig.axes
+    dots = [c.get_offsets().tolist() for c in left.collections if isinstance(c, PathCollection)]   # the scatters
+    for (name, kv), bar, seeds in zip(quality.CONFIGS.items(), left.containers, dots, strict=True):
+        b, (low, high) = quality.cache_bytes_per_token(kv), quality.interval(losses[name])
+        assert bar.lines[0].get_xydata().tolist() == [[b, pytest.approx(statistics.mean(losses[name]))]]
+        assert bar.lines[2][0].get_segments()[0].tolist() == [[b, pytest.approx(low)], [b, pytest.approx(high)]]
+        assert seeds == [[b, loss] for loss in losses[name]]
+    assert len(right.patches) == len(heads)
 
 
 def test_head_roles_finds_word_starts():
