@@ -353,7 +353,8 @@ def test_a_closed_pipe_ends_quietly(tmp_path, unbuffered):
 
 def test_a_pipe_closed_before_the_first_line_ends_quietly(tmp_path):
     """python mha.py | true: the reader is gone before anything arrives. Buffered, the run completes and its
-    last flush meets the closed pipe: exit 1, and nothing on stderr, not even Python's own complaint at exit."""
+    last flush, inside run_as_script's guard, meets the closed pipe: exit 1 (the output was lost), nothing on
+    stderr, every figure written whole."""
     p = subprocess.Popen([sys.executable, SCRIPT, "--out-dir", str(tmp_path)], stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, env=dict(os.environ, PYTHONUNBUFFERED=""))
     p.stdout.close()
