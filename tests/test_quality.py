@@ -525,7 +525,8 @@ def test_quality_figure_draws_each_configuration_at_its_cache_bytes_with_its_int
 
 def test_head_roles_finds_word_starts():
     """'ab ab': the word that holds each position starts at 0, 0, 0 (the space ends the first word), 3, 3. A head
-    that attends to exactly those keys puts all its weight on word starts; one that attends to the space, none."""
+    that attends to exactly those keys puts all its weight on word starts; one that looks at key 0 from row 1 and at
+    the space from rows 2 to 4 puts a quarter there (row 1's key 0), three quarters on whitespace."""
     chars = [" ", "a", "b"]
     x = torch.tensor([[1, 2, 0, 1, 2]])                                    # 'ab ab': (N=1, T=5)
     data = types.SimpleNamespace(val_x=x, chars=chars)
