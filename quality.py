@@ -324,9 +324,9 @@ def print_table_a(scratch, steps):
     print(f"\nA. From scratch, {steps} steps; validation bits/char, mean and standard deviation over seeds ("
           + ", ".join(f"{name} {','.join(map(str, scratch[name]))}" for name in CONFIGS) + ")")
     print("   paired: a seed's configurations share their initialisation and every batch; the difference to MHA "
-          "is its mean\n   over seeds and, in brackets, its 95% confidence interval. Tested in the order fixed in "
-          f"advance, {', '.join(tested_in_order())},\n   each only if the one before was resolved: the chance of any "
-          "false verdict among them is at most 5%")
+          "is its mean\n   over the seeds both ran and, in brackets, its 95% confidence interval. Tested in the order "
+          f"fixed\n   in advance, {', '.join(tested_in_order())}, each only if the one before was resolved: the chance "
+          "of any false verdict\n   among them is at most 5%")
     print(f"   {'config':<7}{'K/V heads':>10}{'params':>9}{'KV bytes/token':>16}{'seeds':>7}{'mean':>8}{'sd':>7}"
           f"   {'minus MHA [95% interval]':<25} verdict")
     said, previous = {}, None
