@@ -68,3 +68,14 @@ def mask_without_offset(T, S, dtype=torch.float32):
     """causal_mask with a planted bug: new token i at position i, not S - T + i (it forgets the cached tokens)."""
     future = torch.arange(S) > torch.arange(T).unsqueeze(1)               # (T, S): key j after token i, from 0
     return torch.zeros(T, S, dtype=dtype).masked_fill(future, float("-inf"))
+
+
+def record_calls(monkeypatch, owner, name, log, entry):
+    """owner.name, wrapped for this test: each call appends entry(*its arguments) to log, then runs the real one."""
+    real = getattr(owner, name)
+
+    def wrapper(*args):
+        log.append(entry(*args))
+        return real(*args)
+
+    monkeypatch.setattr(owner, name, wrapper)

@@ -81,7 +81,8 @@ def fake_decode_times(parts_over_floor):
         flops, memory = 160e9, 40e9
         kv_bytes = {kind: mha.decode_bytes(kv, dh, S) for kind, kv in bench.KINDS.items()}
         weights = dict.fromkeys(bench.KINDS, 10**6)
-        floors = {kind: max(n / memory, mha.decode_flops(h, dh, S) / flops) for kind, n in kv_bytes.items()}
+        ceilings = mha.Ceilings(bandwidth=memory, flops=flops)
+        floors = {kind: mha.roofline(mha.decode_flops(h, dh, S), n, ceilings)[0] for kind, n in kv_bytes.items()}
         steps = {kind: [2 * (weights[kind] + n) / memory] * 3 for kind, n in kv_bytes.items()}
         parts = {kind: [parts_over_floor[kind] * floors[kind]] * 3 for kind in bench.KINDS}
         alone = {kind: [0.9 * t for t in parts[kind]] for kind in bench.KINDS}

@@ -7,7 +7,7 @@ import time
 
 import pytest
 import torch
-from conftest import ROOT, gqa_module
+from conftest import ROOT, gqa_module, record_calls
 from torch.profiler import ProfilerActivity, profile
 
 import mha
@@ -348,25 +348,14 @@ def test_the_decode_figure_builds_from_a_fake_measurement():
 def test_measure_decode_on_tiny_contexts(monkeypatch):
     """The measurement runs, sorts its contexts and returns one step and one read time per context; each step
     and each read gets the K and V of its own configuration and context, not the whole preallocated cache."""
-    timed = []                                   # what each timed call got: ("step", K's shape) or ("read", shape)
-    real_attend, real_sum = mha.attend, torch.sum
-
-    def attend(q, k, v):
-        timed.append(("step", tuple(k.shape)))
-        assert v.shape == k.shape
-        return real_attend(q, k, v)
-
-    def total(t):
-        timed.append(("read", tuple(t.shape)))
-        return real_sum(t)
-
-    monkeypatch.setattr(mha, "attend", attend)
-    monkeypatch.setattr(torch, "sum", total)
+    timed = []                                   # what each timed call got: ("step", K's, V's shape) or ("read", shape)
+    record_calls(monkeypatch, mha, "attend", timed, lambda q, k, v: ("step", k.shape, v.shape))
+    record_calls(monkeypatch, torch, "sum", timed, lambda t: ("read", t.shape))
     timing = mha.measure_decode(contexts=(32, 16, 32), kv_heads=(32, 1), rounds=2)
     one_round = []
     for S in (32, 16):                           # longest context first; at each, every read, then every step
         one_round += [("read", (2, 1, kv, S, 128)) for kv in (32, 1)]      # K and V: (2, B, kv, S, dh)
-        one_round += [("step", (1, kv, S, 128)) for kv in (32, 1)]         # K: (B, kv, S, dh)
+        one_round += [("step", (1, kv, S, 128), (1, kv, S, 128)) for kv in (32, 1)]   # K, V: (B, kv, S, dh)
     assert timed == 2 * one_round
     assert timing.contexts == (16, 32) and timing.rounds == 2 and timing.elsewhere >= 0.0
     for table in (timing.steps, timing.reads):

@@ -9,7 +9,7 @@ import conftest
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import comparable, run_script
+from conftest import comparable, record_calls, run_script
 from torch.profiler import ProfilerActivity, profile
 
 import mha
@@ -395,23 +395,10 @@ def test_the_table_and_the_lesson_are_made_from_the_numbers(capsys):
 def test_measure_decode_on_tiny_contexts(monkeypatch):
     """One step per kind and context, and each step and each read gets its own context's cache, not all of it."""
     timed = []                                   # what each timed call got: its kind and its cache's shapes
-    real_latent, real_attend, real_sum = mla.latent_attend, mha.attend, torch.Tensor.sum
-
-    def latent_attend(q_lat, q_rope, c, k_rope, scale):
-        timed.append(("MLA", c.shape, k_rope.shape))
-        return real_latent(q_lat, q_rope, c, k_rope, scale)
-
-    def attend(q, k, v):
-        timed.append(("attend", k.shape, v.shape))
-        return real_attend(q, k, v)
-
-    def total(t):
-        timed.append(("read", t.shape))
-        return real_sum(t)
-
-    monkeypatch.setattr(mla, "latent_attend", latent_attend)
-    monkeypatch.setattr(mha, "attend", attend)
-    monkeypatch.setattr(torch.Tensor, "sum", total)
+    latent = lambda q_lat, q_rope, c, k_rope, scale: ("MLA", c.shape, k_rope.shape)
+    record_calls(monkeypatch, mla, "latent_attend", timed, latent)
+    record_calls(monkeypatch, mha, "attend", timed, lambda q, k, v: ("attend", k.shape, v.shape))
+    record_calls(monkeypatch, torch.Tensor, "sum", timed, lambda t: ("read", t.shape))
     got, flops, elsewhere = mla.measure_decode((128, 64), 1, 0)
     monkeypatch.undo()
     h, dh, dc, dr = 128, 128, 512, 64            # DeepSeek-V2's heads, head width, latent and RoPE key

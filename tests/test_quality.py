@@ -14,7 +14,7 @@ import types
 
 import pytest
 import torch
-from conftest import gqa_module
+from conftest import gqa_module, record_calls
 
 import mha
 import quality
@@ -455,13 +455,8 @@ def test_the_control_is_trained_on_a_copy(data, monkeypatch):
     before = {k: v.clone() for k, v in model.state_dict().items()}
     curve = quality.convert_and_train("MHA", "none", 0, 40, model)
     assert curve[2] < curve[0] and all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
-    trained_on, real_train = [], quality.train
-
-    def train(model, data, starts, *rest):
-        trained_on.append(starts)
-        return real_train(model, data, starts, *rest)
-
-    monkeypatch.setattr(quality, "train", train)
+    trained_on = []
+    record_calls(monkeypatch, quality, "train", trained_on, lambda model, data, starts, *rest: starts)
     quality.convert_and_train("MQA", "mean", 0, 40, model)
     assert torch.equal(trained_on[0], data.batches(0, 42)[40:])   # the 2 windows after A's 40 steps, not A's first
     assert list(quality.convert_and_train("MQA", "random", 0, 40, model)) == [0]        # right after only
