@@ -331,13 +331,14 @@ def check_against_torch(n_kv_heads, seed):
     other rounding, so within TOLERANCE.
     """
     T = len(SENTENCE.split())
-    print(f"\n4. Against PyTorch, one sequence of {T} tokens, fp32: max |ours - theirs|")
+    print(f"\n4. Against PyTorch, one sequence of {T} tokens, fp32: max |ours - theirs|, theirs for GQA/MQA an nn.MHA\n"
+          "   with each K/V head repeated for its query heads (to_torch)")
     torch.manual_seed(seed)
     ref = random_biases(nn.MultiheadAttention(D_MODEL, N_HEADS, batch_first=True).eval())
     x = torch.randn(1, T, D_MODEL)                         # (B=1, T, d)
-    gqa, label = demo_module(n_kv_heads, seed), f"{attention_kind(N_HEADS, n_kv_heads):<5}"
-    ok = True
-    for name, ours, theirs, tol in (("MHA  ", from_torch(ref), ref, 0.0), (label, gqa, to_torch(gqa), TOLERANCE)):
+    copy, gqa = from_torch(ref), demo_module(n_kv_heads, seed)   # PyTorch's weights in ours; ours with your kv
+    ok, label = True, f"{attention_kind(N_HEADS, n_kv_heads):<5}"
+    for name, ours, theirs, tol in (("MHA  ", copy, ref, 0.0), (label, gqa, to_torch(gqa), TOLERANCE)):
         y, w, y_fused = differences(ours, theirs, x)
         ok &= report(f"{name} written out vs nn.MHA(need_weights=True)", y, tol)
         ok &= report(f"{name} the same, per-head weights p", w, tol)
@@ -383,11 +384,11 @@ def report(label, diff, tol):
 
 def differences(attn, ref, x):
     """max |attn - ref| on x: [written-out output, its per-head weights, fused output]; ref an nn.MHA."""
-    mask = causal_mask(x.shape[1], x.shape[1], x.dtype)    # (T, T), a float mask (check_against_torch says why)
+    float_mask = causal_mask(x.shape[1], x.shape[1], x.dtype)   # (T, T), not bool: check_against_torch says why
     with torch.no_grad():
         # nn.MultiheadAttention takes query, key and value inputs apart: all three are x in self-attention.
-        y_ref, w_ref = ref(x, x, x, attn_mask=mask, need_weights=True, average_attn_weights=False)
-        y_ref_fused = ref(x, x, x, attn_mask=mask, need_weights=False)[0]
+        y_ref, w_ref = ref(x, x, x, attn_mask=float_mask, need_weights=True, average_attn_weights=False)
+        y_ref_fused = ref(x, x, x, attn_mask=float_mask, need_weights=False)[0]
         y, w = attn(x, need_weights=True)
         y_fused = attn(x, fused=True)
     return [(a - b).abs().max().item() for a, b in ((y, y_ref), (w, w_ref), (y_fused, y_ref_fused))]
@@ -491,8 +492,7 @@ def plot_cache_sizes():
                 color=f"C{i}", label=f"{kind} ({kv} K/V heads): {at:.2f} GB at {CACHE_TOKENS} tokens")
         ax.plot([CACHE_TOKENS], [at], "s", ms=8, color=f"C{i}")
     ax.axhline(GPU_CACHE_GB, color="gray", ls="--", lw=1, label=f"{GPU_CACHE_GB} GB of GPU memory set aside for caches")
-    ax.set_xscale("log")
-    ax.set_yscale("log")
+    ax.set(xscale="log", yscale="log")
     ax.set_xticks(context, [f"{S:g}" for S in context])
     ax.set_yticks([0.001, 0.01, 0.1, 1, 10, 100], ["0.001", "0.01", "0.1", "1", "10", "100"])
     ax.minorticks_off()

@@ -3,37 +3,23 @@ import re
 import subprocess
 import sys
 
-import pytest
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-
-@pytest.fixture(autouse=True)
-def _restore_threads():
-    """Tests that pin the thread count must not leak it into the next test."""
-    threads = torch.get_num_threads()
-    yield
-    torch.set_num_threads(threads)
-
-
 # A printed value checked against a tolerance may differ in its last bits between CPUs and matmul code paths
-# (MKL_CBWR, ATEN_CPU_CAPABILITY): a script's output is compared with the README's quote up to such values,
-# which must still pass their check. Used by the tests of mha.py and mla.py.
+# (MKL_CBWR, ATEN_CPU_CAPABILITY): quoted output is compared with a run's up to such values, which must still pass.
 TOLERANCE_LINE = re.compile(r"= (\d\.\d\de[+-]\d\d)  OK  \(tolerance (\S+)\)$")
-PYTORCH_AGAINST_ITSELF = re.compile(r"= (\d\.\d\de[+-]\d\d)  \(PyTorch against itself: not a check\)$")   # 0.0 on some CPUs
 
 
 def comparable(text):
+    """The lines of text, each value held to a tolerance replaced by <value> once it is checked to be within it."""
     lines = []
     for line in text.splitlines():
         m = TOLERANCE_LINE.search(line)
         if m:
             assert float(m.group(1)) <= float(m.group(2)), line
-            line = line[:m.start(1)] + "<value>" + line[m.end(1):]
-        m = PYTORCH_AGAINST_ITSELF.search(line)
-        if m:
             line = line[:m.start(1)] + "<value>" + line[m.end(1):]
         lines.append(line)
     return lines
@@ -58,16 +44,10 @@ def run_main(main, argv, capsys):
 
 def gqa_module(d, h, kv, dtype=torch.float32, seed=0):
     """A CausalMHA with PyTorch's weight init and random (non-zero) biases: a bias copied to the wrong rows
-    would show. Used by the tests of mha.py and of quality.to_gqa."""
+    would show."""
     import mha
     torch.manual_seed(seed)
     return mha.random_biases(mha.CausalMHA(d, h, kv).to(dtype))
-
-
-def mask_without_offset(T, S, dtype=torch.float32):
-    """causal_mask with a planted bug: new token i at position i, not S - T + i (it forgets the cached tokens)."""
-    future = torch.arange(S) > torch.arange(T).unsqueeze(1)               # (T, S): key j after token i, from 0
-    return torch.zeros(T, S, dtype=dtype).masked_fill(future, float("-inf"))
 
 
 def record_calls(monkeypatch, owner, name, log, entry):
