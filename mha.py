@@ -457,7 +457,7 @@ def plot_attention_maps(n_kv_heads, seed):
     g, cols = N_HEADS // n_kv_heads, min(4, N_HEADS)
     rows = math.ceil(N_HEADS / cols)
     fig = Figure(figsize=(2.6 * cols + 1.2, 2.8 * rows + 0.9))
-    fig.subplots_adjust(left=0.06, right=0.9, bottom=0.09, top=1 - 0.9 / (2.8 * rows + 0.9), hspace=0.45,
+    fig.subplots_adjust(left=0.06, right=0.9, bottom=0.09, top=1 - 0.9 / (2.8 * rows + 0.9), hspace=0.25,
                         wspace=0.35)
     axes = fig.subplots(rows, cols, squeeze=False).flatten()
     cmap = colormaps["viridis"].with_extremes(bad="0.85")  # a future key, masked: light grey
@@ -465,8 +465,8 @@ def plot_attention_maps(n_kv_heads, seed):
         future = p[0, i].masked_fill(causal_mask(len(words), len(words)) < 0, float("nan"))   # (T, T): grey above
         im = ax.imshow(future.numpy(), cmap=cmap, vmin=0.0, vmax=1.0)
         ax.set_title(f"query head {i} reads K/V head {i // g}", fontsize=9, color=f"C{i // g % 10}")
-        ax.set_xticks(range(len(words)), words, fontsize=6, rotation=90)
-        ax.set_yticks(range(len(words)), words, fontsize=6)
+        ax.set_xticks(range(len(words)), words if i >= N_HEADS - cols else [], fontsize=6, rotation=90)   # bottom row
+        ax.set_yticks(range(len(words)), words if i % cols == 0 else [], fontsize=6)                     # left column
     for ax in axes[N_HEADS:]:
         ax.set_axis_off()
     axes[(rows - 1) * cols].set_xlabel("key (a word it may look at)", fontsize=8)
@@ -474,7 +474,7 @@ def plot_attention_maps(n_kv_heads, seed):
     fig.colorbar(im, cax=fig.add_axes([0.92, 0.15, 0.015, 0.65]), label="attention weight p (each row sums to 1)")
     fig.suptitle(f"{attention_kind(N_HEADS, n_kv_heads)}: {N_HEADS} query heads, {n_kv_heads} K/V heads, random "
                  "weights. A word never looks at a later one (grey).\nA repeated word has one key: "
-                 "within a row, 'the' and 'sat' get equal weights. Same-coloured heads share keys, not queries.",
+                 "within a row, every 'the' gets the same weight. Same-coloured heads share keys, not queries.",
                  fontsize=10)
     return fig
 
