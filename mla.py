@@ -2,35 +2,38 @@
 Multi-head latent attention (MLA): DeepSeek's answer to "what comes after GQA for the cache?", in one file.
 
 The chapter after mha.py. What it shows, top to bottom:
-  1. LatentAttention: keys and values of every head come from one latent c = x W_DKV (dc numbers per token),
-     expanded per head by W_UK and W_UV, plus one RoPE key k_R shared by all heads (RoPE, rope() below: query and
-     key each turned by an angle that grows with its position, so that their score sees how far apart they are).
-     The cache keeps c and k_R: dc + dr numbers per token and layer, however many heads (DeepSeek-V2: 576,
+  1. LatentAttention: the keys and values of all heads are made from one latent c = W_DKV x, dc numbers per
+     token: head i's content key is W_UK,i c, its value W_UV,i c, so all of them lie in the same dc-dimensional
+     space. Position comes in through one RoPE key k_R, shared by all heads (RoPE, rope() below: query and key
+     each turned by an angle that grows with its position, so that their score sees how far apart they are).
+     The cache keeps [c; k_R]: dc + dr numbers per token and layer, however many heads (DeepSeek-V2: 576,
      against MHA's 32,768).
-  2. Weight absorption, proven: the naive path rebuilds every head's K and V from the cache; the absorbed path
-     folds W_UK into the queries and applies W_UV after attention, and never builds them. The same function
-     (within 1e-12 in float64), and its decode step IS multi-query attention with one K/V head [c; k_R] and
-     values c. Why the RoPE key is decoupled: rotate the content keys and absorption breaks.
-  3. The cache of DeepSeek-V2, V2-Lite and V3, next to MHA, GQA-8 and MQA of the same shape.
-  4. The absorbed decode step's attention (latent_attend; the projections, as for MHA and GQA-8, not timed)
-     against MHA's and GQA-8's, each against its floor as mha.py measures it: at 98 FLOPs per byte (fp32,
-     1024 tokens, queries and output counted) MLA waits on arithmetic, MHA on memory.
+  2. Weight absorption: the naive path rebuilds every head's K and V from the cache, as MHA with keys
+     [k_C,i; k_R]; the absorbed path folds W_UK into the queries and applies W_UV after attention, and never
+     builds them. The algebra in LatentAttention's docstring says both compute the same function; the float64
+     check confirms it to 1e-12. The absorbed path IS multi-query attention: all h query heads read one K/V
+     head, key [c; k_R] and value c, as mha.attend_grouped reads a group's (checked against PyTorch's own MQA
+     call). Why the RoPE key is decoupled: a counter-example turns the content keys, as Llama does, and shows
+     that absorption then drops each key's turn, which changes the scores.
+  3. The cache of DeepSeek-V2, V2-Lite and V3, next to MHA, GQA-8 and MQA of the same shape, and a figure of
+     it per token and layer (figures/mla_cache.png).
 
 Not here: query compression (DeepSeek-V2 has it, V2-Lite not: it saves activations, not cache); the RMSNorm
 on the latent (kv_a_layernorm): it comes before caching and its scale folds into W_UK and W_UV, so absorption
 and the cache size are unaffected; a quantized cache (see CACHE_BYTES_PER_ELEM); YaRN's RoPE scaling;
-training; GPU kernels.
+training; GPU kernels; timing (decode.py times a decode step).
 
-Run:    python mla.py  (a few seconds on a 2-core CPU), then edit D_LATENT or D_ROPE and run it again.
+Run:    python mla.py [--out-dir DIR]  (a few seconds on a 2-core CPU), then edit D_LATENT or D_ROPE and rerun.
 Papers: DeepSeek-AI 2024, "DeepSeek-V2", arXiv:2405.04434 (section 2.1: MLA); DeepSeek-AI 2024, "DeepSeek-V3
         Technical Report", arXiv:2412.19437; Su et al. 2021, "RoFormer", arXiv:2104.09864.
-Shapes: mha.py's (B batch, T new tokens, d model width, h query heads, kv K/V heads, dh head width, S keys a
-        query can see), plus dc the latent width and dr the RoPE width.
+Shapes: mha.py's (B batch, T new tokens, S keys a query can see, d model width, h query heads, dh head width),
+        plus dc the latent width and dr the RoPE width.
 """
 
 import argparse
-import math
-import time
+import numbers
+import os
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -43,12 +46,13 @@ import mha
 D_MODEL = 256        # d: model width
 N_HEADS = 8          # h: query heads
 D_HEAD = 32          # dh: width of each head's content query, key and value
-D_LATENT = 128       # dc: width of the latent c, shared by all heads' keys and values (DeepSeek: 4 dh)
+D_LATENT = 128       # dc: width of the latent c, from which all heads' keys and values are made (DeepSeek: 4 dh)
 D_ROPE = 16          # dr: width of the RoPE query and key; even, since RoPE turns pairs (DeepSeek: dh / 2)
 ROPE_BASE = 10000.0  # RoFormer's base: pair i of the RoPE key turns by position * base^(-2i / dr) radians
-SEQ_LEN = 12         # T: tokens in the demo sequence
+SEQ_LEN = 12         # T: tokens in the demo sequence, at least 2 (a prompt and a token more)
 BATCH = 2            # B: sequences in the demo batch
 SEED = 0             # every random number in the run comes from this seed
+OUT_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "figures")
 
 # Published shapes (layers, h, dh, dc, dr): config.json's num_hidden_layers, num_attention_heads,
 # qk_nope_head_dim = v_head_dim, kv_lora_rank, qk_rope_head_dim, on Hugging Face (deepseek-ai).
@@ -59,9 +63,8 @@ DEEPSEEK = {
 }
 CACHE_TOKENS = 4096                 # context length of the cache table
 CACHE_BYTES_PER_ELEM = 2            # 2 = bf16, the table's convention (DeepSeek-V2 quantizes to about 6 bits)
-GQA_KV_HEADS = 8                    # the GQA the table and the timing compare with
-DECODE_CONTEXTS = (1024, 2048, 4096)   # cached tokens at which a decode step of DeepSeek-V2's shape is timed
-DECODE_ROUNDS = 5                   # each time is the best of this many rounds
+GQA_KV_HEADS = 8                    # the GQA the table compares with; must divide every model's h
+
 
 # ----------------------------------------------------------------------------- the module
 def rope(x, positions, base=ROPE_BASE):
@@ -71,7 +74,8 @@ def rope(x, positions, base=ROPE_BASE):
     positions: that is how attention learns where a key lies relative to the query (RoFormer). With R_p the turn
     at position p, (R_t q) . (R_s k) = q . (R_(s-t) k): turning both back by t changes no dot product. E.g. in 2-D,
     q = k = (1, 0) at positions 3 and 5 give cos 2, as they would at 0 and 2.
-    rope(torch.tensor([[1.0, 0.0]]), torch.tensor([1])) == [[cos 1, sin 1]] == [[0.5403, 0.8415]]
+    Pair 0 turns by 1 radian per position; with dr = 4, pair 1 by 10000^(-2/4) = 0.01:
+    rope(torch.tensor([[1.0, 0.0, 1.0, 0.0]]), torch.tensor([1])) == [[cos 1, sin 1, cos 0.01, sin 0.01]]
     """
     dr = x.shape[-1]
     freq = base ** (-torch.arange(0, dr, 2, dtype=torch.float64) / dr)       # (dr/2,)
@@ -82,61 +86,55 @@ def rope(x, positions, base=ROPE_BASE):
     return turned.flatten(-2)                                                # (..., T, dr)
 
 
-def latent_attend(q_lat, q_rope, c, k_rope, scale):
-    """softmax((q_lat c^T + q_R k_R^T) * scale + causal mask) c: every head reads the one latent, as in MQA.
+def latent_attend(query, kv, d_latent, scale):
+    """softmax(query [c; k_R]^T * scale + causal mask) c: mha.attend_grouped's form with one K/V head (g = h).
 
-    q_lat: (B, h, T, dc), queries with W_UK folded in; q_rope: (B, h, T, dr); c: (B, S, dc); k_rope: (B, S, dr).
-    Returns (B, h, T, dc). As mha.attend does for a K/V head, the h heads are stacked as h*T rows of one shared
-    "head" (row r is head r // T at token r % T: with T = 3, row 7 is head 2's token 1), so c and k_R are read
-    once, where they lie in the cache; a decode step (T = 1) is h rows of one query each.
+    query: (B, h, T, dc + dr); kv: (B, S, dc + dr), rows [c; k_R], read once by all h heads. Returns (B, h, T, dc).
+    Not mha.attend_grouped itself: it wants values as wide as keys and divides by sqrt(key width), where the value
+    c is the key's first dc numbers and MLA's scale is 1 / sqrt(dh + dr). einsum's letters as there: b batch,
+    h query head, t new token, s key, e width; "bhte,bse->bhts" is q k^T, with kv[b] used by every head.
     """
-    (B, h, T, dc), S = q_lat.shape, c.shape[1]
-    q_lat = q_lat.reshape(B, h * T, dc)                    # (B, h*T, dc)
-    q_rope = q_rope.reshape(B, h * T, -1)                  # (B, h*T, dr)
-    scores = (q_lat @ c.transpose(1, 2) + q_rope @ k_rope.transpose(1, 2)) * scale   # (B, h*T, S)
-    if T > 1:                                              # the mask, per head; a decode step (T = 1) needs none
-        scores = scores + mha.causal_mask(T, S, scores.dtype).tile(h, 1)     # (h*T, S)
-    return (scores.softmax(dim=-1) @ c).view(B, h, T, dc)  # (B, h*T, dc) -> (B, h, T, dc)
+    T, S = query.shape[2], kv.shape[1]
+    scores = torch.einsum("bhte,bse->bhts", query * scale, kv)        # (B, h, T, S): q_lat . c + q_R . k_R
+    p = (scores + mha.causal_mask(T, S, query.dtype)).softmax(dim=-1)  # (B, h, T, S)
+    return torch.einsum("bhts,bse->bhte", p, kv[..., :d_latent])       # (B, h, T, dc): weighted sums of latents
 
 
 @dataclass
 class LatentCache:
-    """What MLA keeps of every past token, nothing per head: c (B, max_len, dc) and k_rope (B, max_len, dr),
-    of which the first `length` positions hold tokens."""
-    c: torch.Tensor
-    k_rope: torch.Tensor
+    """What MLA keeps of every past token, nothing per head: kv (B, max_len, dc + dr), row t holding token t's
+    [c_t; k_R,t], the latent and the turned RoPE key. Only the first `length` rows hold tokens."""
+    kv: torch.Tensor
     length: int = 0
 
-    nbytes = property(lambda self: self.c.nbytes + self.k_rope.nbytes)
-
-    def append(self, c, k_rope):
-        """Write c: (B, T, dc), k_rope: (B, T, dr) after the cached tokens; return all: (B, S, dc), (B, S, dr)."""
-        S = self.length + c.shape[1]
-        self.c[:, self.length:S] = c
-        self.k_rope[:, self.length:S] = k_rope
+    def append(self, kv):
+        """Write kv: (B, T, dc + dr) after the cached tokens; return all of them: (B, S, dc + dr)."""
+        S = self.length + kv.shape[1]
+        self.kv[:, self.length:S] = kv
         self.length = S
-        return self.c[:, :S], self.k_rope[:, :S]
+        return self.kv[:, :S]
 
 
 class LatentAttention(nn.Module):
     """Causal, bias-free multi-head latent attention, as in DeepSeek-V2 without query compression.
 
     Head i's score for key s:  (q_C,i . k_C,i,s + q_R,i . k_R,s) / sqrt(dh + dr),  where
-        c = x W_DKV (dc),  k_C,i = W_UK,i c,  v_i = W_UV,i c  (dh each),  k_R = RoPE(x W_KR) (dr, one for all heads),
-        q_C,i from x W_Q (dh),  q_R,i = RoPE(x W_QR) (dr).
-    Why the RoPE key is decoupled: q_C,i . k_C,i,s = (W_UK,i^T q_C,i) . c_s, so W_UK,i can move to the query
-    side, once per query instead of once per cached token. Rotating k_C would put the turn R_s of key s between
-    them: q_C,i . (R_s W_UK,i c_s) = (W_UK,i^T R_s^T q_C,i) . c_s, and W_UK,i^T R_s^T changes with every key s: no
-    one absorbed query serves them all (rope() shows what R_s is).
-    So the position travels in dr extra dimensions of its own, and c stays free of it.
+        c = W_DKV x (dc),  k_C,i = W_UK,i c,  v_i = W_UV,i c  (dh each),  k_R = RoPE(W_KR x) (dr, one for all heads),
+        q_C,i from W_Q x (dh),  q_R,i = RoPE(W_QR x) (dr).
+    Absorption: q_C,i . k_C,i,s = q_C,i . (W_UK,i c_s) = (W_UK,i^T q_C,i) . c_s, so W_UK,i moves to the query
+    side, applied once per query instead of once per cached token; and sum_s p_s (W_UV,i c_s) = W_UV,i (sum_s p_s c_s),
+    so W_UV,i is applied once to the weighted sum of latents. Neither changes the function, only the rounding.
+    Why the RoPE key is decoupled: rotating k_C would put the turn R_s of key s between them,
+    q_C,i . (R_s W_UK,i c_s) = (W_UK,i^T R_s^T q_C,i) . c_s, and W_UK,i^T R_s^T changes with every key s: no
+    one absorbed query serves them all. So the position travels in dr extra dimensions of its own, and c stays
+    free of it.
     """
 
     def __init__(self, d_model, n_heads, d_head, d_latent, d_rope):
         super().__init__()
-        check_sizes(d_model, n_heads, d_head, d_latent, d_rope)   # one sentence if they cannot work (plumbing)
+        check_sizes(d_model=d_model, n_heads=n_heads, d_head=d_head, d_latent=d_latent, d_rope=d_rope)
         d, h, dh, dc, dr = d_model, n_heads, d_head, d_latent, d_rope
         self.d_model, self.n_heads, self.d_head, self.d_latent, self.d_rope = d, h, dh, dc, dr
-        self.scale = (dh + dr) ** -0.5
         self.w_dkv = nn.Linear(d, dc, bias=False)          # down to the latent: the cache
         self.w_uk = nn.Linear(dc, h * dh, bias=False)      # up to every head's content key
         self.w_uv = nn.Linear(dc, h * dh, bias=False)      # up to every head's value
@@ -149,33 +147,36 @@ class LatentAttention(nn.Module):
         """x: (B, T, d) -> (B, T, d). With a cache, x holds only the new tokens, which are appended to it."""
         check_call(self, x, cache)                          # one sentence on a bad call, before any write
         B, T, _ = x.shape
-        start = 0 if cache is None else cache.length
-        q, q_rope, c, k_rope = self.project(x, start)
+        start = 0 if cache is None else cache.length        # the new tokens' first position
+        positions = torch.arange(start, start + T)
+        h, dh, dr = self.n_heads, self.d_head, self.d_rope
+        q = self.w_q(x).view(B, T, h, dh).transpose(1, 2)                        # (B, T, h, dh) -> (B, h, T, dh)
+        q_rope = rope(self.w_qr(x).view(B, T, h, dr).transpose(1, 2), positions)  # (B, T, h, dr) -> (B, h, T, dr)
+        kv = torch.cat([self.w_dkv(x), rope(self.w_kr(x), positions)], dim=-1)   # (B, T, dc + dr): [c; k_R]
         if cache is not None:
-            c, k_rope = cache.append(c, k_rope)            # (B, S, dc), (B, S, dr), S = cached + T
+            kv = cache.append(kv)                           # (B, S, dc + dr), S = cached + T
         if absorbed:
-            o = self.expand_output(latent_attend(self.absorb_query(q), q_rope, c, k_rope, self.scale))
+            o = self.absorbed_attention(q, q_rope, kv)
         else:
-            o = self.naive_attention(q, q_rope, c, k_rope)
+            o = self.naive_attention(q, q_rope, kv)
         return self.w_o(o.transpose(1, 2).reshape(B, T, -1))   # (B, h, T, dh) -> (B, T, h*dh) -> (B, T, d)
 
-    def project(self, x, start):
-        """q (B, h, T, dh), q_R (B, h, T, dr), c (B, T, dc), k_R (B, T, dr) of x at positions start, start + 1, ..."""
-        B, T, _ = x.shape
-        h, dh, dr = self.n_heads, self.d_head, self.d_rope
-        positions = torch.arange(start, start + T)
-        q = self.w_q(x).view(B, T, h, dh).transpose(1, 2)                      # (B, T, h, dh) -> (B, h, T, dh)
-        q_rope = rope(self.w_qr(x).view(B, T, h, dr).transpose(1, 2), positions)  # (B, T, h, dr) -> (B, h, T, dr)
-        return q, q_rope, self.w_dkv(x), rope(self.w_kr(x), positions)
-
-    def naive_attention(self, q, q_rope, c, k_rope):
-        """softmax((q_C k_C^T + q_R k_R^T) / sqrt(dh + dr) + mask) v, every head's k_C and v rebuilt from c."""
-        (B, h, T, dh), S = q.shape, c.shape[1]
+    def naive_attention(self, q, q_rope, kv):
+        """MHA with h K/V heads: head i's key [k_C,i; k_R] (dh + dr wide), its value v_i, rebuilt from the cache."""
+        (B, h, _, dh), S = q.shape, kv.shape[1]
+        c, k_rope = kv.split([self.d_latent, self.d_rope], dim=-1)   # (B, S, dc), (B, S, dr)
         k = self.w_uk(c).view(B, S, h, dh).transpose(1, 2)     # (B, S, h*dh) -> (B, S, h, dh) -> (B, h, S, dh)
         v = self.w_uv(c).view(B, S, h, dh).transpose(1, 2)     # (B, S, h*dh) -> (B, S, h, dh) -> (B, h, S, dh)
-        k_rope = k_rope.unsqueeze(1)                           # (B, 1, S, dr): one key, broadcast to every head
-        scores = (q @ k.transpose(2, 3) + q_rope @ k_rope.transpose(2, 3)) * self.scale   # (B, h, T, S)
-        return (scores + mha.causal_mask(T, S, q.dtype)).softmax(dim=-1) @ v                # (B, h, T, dh)
+        k_rope = k_rope.unsqueeze(1).expand(B, h, S, self.d_rope)   # (B, S, dr) -> (B, h, S, dr): one key for all
+        keys = torch.cat([k, k_rope], dim=-1)                  # (B, h, S, dh + dr)
+        queries = torch.cat([q, q_rope], dim=-1)               # (B, h, T, dh + dr)
+        return mha.attend_one_head(queries, keys, v)[0]        # (B, h, T, dh), the scores over sqrt(dh + dr)
+
+    def absorbed_attention(self, q, q_rope, kv):
+        """MQA: every head's query [W_UK,i^T q_C,i; q_R,i] against one K/V head, key [c; k_R], value c."""
+        query = torch.cat([self.absorb_query(q), q_rope], dim=-1)    # (B, h, T, dc + dr)
+        o_lat = latent_attend(query, kv, self.d_latent, (self.d_head + self.d_rope) ** -0.5)   # (B, h, T, dc)
+        return self.expand_output(o_lat)                             # (B, h, T, dh)
 
     def absorb_query(self, q):
         """(B, h, T, dh) -> (B, h, T, dc): q_C,i -> W_UK,i^T q_C,i, whose dot product with c_s is q_C,i . k_C,i,s."""
@@ -186,8 +187,7 @@ class LatentAttention(nn.Module):
         return q @ w_uk                                    # (B, h, T, dh) @ (h, dh, dc) -> (B, h, T, dc)
 
     def expand_output(self, o_lat):
-        """(B, h, T, dc) -> (B, h, T, dh): W_UV,i applied once to head i's weighted sum of latents,
-        sum_s p_s (W_UV,i c_s) = W_UV,i (sum_s p_s c_s), instead of once to every cached token."""
+        """(B, h, T, dc) -> (B, h, T, dh): W_UV,i applied once to head i's weighted sum of latents."""
         h, dh, dc = self.n_heads, self.d_head, self.d_latent
         w_uv = self.w_uv.weight.view(h, dh, dc)            # (h*dh, dc) -> (h, dh, dc), rows as in absorb_query
         return o_lat @ w_uv.transpose(1, 2)                # (B, h, T, dc) @ (h, dc, dh) -> (B, h, T, dh)
@@ -197,10 +197,9 @@ class LatentAttention(nn.Module):
 
     def new_cache(self, batch, max_len):
         """An empty LatentCache for `batch` sequences of up to `max_len` tokens, in the weights' dtype and device."""
-        mha.check_counts([("batch", batch, 1), ("max_len", max_len, 1)])   # (B, max_len, dc), (B, max_len, dr)
+        check_sizes(batch=batch, max_len=max_len)
         w = self.w_dkv.weight
-        return LatentCache(*(torch.zeros(batch, max_len, width, dtype=w.dtype, device=w.device)
-                             for width in (self.d_latent, self.d_rope)))
+        return LatentCache(torch.zeros(batch, max_len, self.d_latent + self.d_rope, dtype=w.dtype, device=w.device))
 
 
 # ----------------------------------------------------------------------------- the checks
@@ -214,70 +213,77 @@ def demo_module(seed, dtype=torch.float32):
 def absorbed_vs_naive(attn, x):
     """max |absorbed - naive| / max |naive| over one full forward."""
     with torch.no_grad():
-        return mha.relative_diff(attn(x, absorbed=True), attn(x))
+        return relative_diff(attn(x, absorbed=True), attn(x))
+
+
+def prompt_chunks(T):
+    """(start, end) of the chunks a cache is fed: a prompt of T // 2 tokens, then 2 at once, then 1 at a time.
+    prompt_chunks(7) == [(0, 3), (3, 5), (5, 6), (6, 7)]. The 2-token chunk is the one whose mask is offset."""
+    prompt = T // 2
+    return [(0, prompt), (prompt, min(prompt + 2, T))] + [(t, t + 1) for t in range(prompt + 2, T)]
 
 
 def cached_vs_full(attn, x, absorbed, chunks):
-    """Feed x in `chunks`, (start, end) pairs (T > 1 after cached tokens uses the mask's offset), as mha.check_cache
-    does; relative difference to one full forward."""
+    """x fed in `chunks` of (start, end) through a cache, against one full forward: relative difference."""
     cache = attn.new_cache(x.shape[0], x.shape[1])
     with torch.no_grad():
         steps = [attn(x[:, start:end], cache=cache, absorbed=absorbed) for start, end in chunks]
-        return mha.relative_diff(torch.cat(steps, dim=1), attn(x, absorbed=absorbed))
+        return relative_diff(torch.cat(steps, dim=1), attn(x, absorbed=absorbed))
 
 
 def mqa_identity_gap(attn, x):
-    """The absorbed decode step of x's last token against PyTorch's multi-query attention, one K/V head:
-    keys [c; k_R] (dc + dr wide), values c (dc wide), queries [W_UK,i^T q_C,i; q_R,i], scale 1/sqrt(dh + dr).
-    A check, not the way to run it: with values narrower than keys SDPA on CPU falls back to its math kernel, which
-    repeat_interleaves K and V out to all h heads (570 MB at DeepSeek-V2's shape and 1024 tokens; lab notes)."""
+    """The absorbed decode step of x's last token against PyTorch's own multi-query attention, one K/V head:
+    keys [c; k_R] (dc + dr wide), values c (dc wide), queries [W_UK,i^T q_C,i; q_R,i], scale 1/sqrt(dh + dr)."""
     B, T, _ = x.shape
     cache = attn.new_cache(B, T)
     with torch.no_grad():
         attn(x[:, :-1], cache=cache, absorbed=True)
         step = attn(x[:, -1:], cache=cache, absorbed=True)                   # (B, 1, d)
-        q, q_rope, _, _ = attn.project(x[:, -1:], T - 1)                      # (B, h, 1, dh), (B, h, 1, dr)
-        query = torch.cat([attn.absorb_query(q), q_rope], dim=-1)            # (B, h, 1, dc + dr)
-        key = torch.cat([cache.c, cache.k_rope], dim=-1).unsqueeze(1)        # (B, 1, S, dc + dr): ONE K/V head
-        value = cache.c.unsqueeze(1)                                         # (B, 1, S, dc): the latent itself
-        o = F.scaled_dot_product_attention(query, key, value, scale=attn.scale, enable_gqa=True)  # (B, h, 1, dc)
+        h, dh, dr = attn.n_heads, attn.d_head, attn.d_rope
+        q = attn.w_q(x[:, -1:]).view(B, 1, h, dh).transpose(1, 2)           # (B, 1, h, dh) -> (B, h, 1, dh)
+        q_rope = attn.w_qr(x[:, -1:]).view(B, 1, h, dr).transpose(1, 2)     # (B, 1, h, dr) -> (B, h, 1, dr)
+        query = torch.cat([attn.absorb_query(q), rope(q_rope, torch.tensor([T - 1]))], dim=-1)  # (B, h, 1, dc + dr)
+        key = cache.kv.unsqueeze(1)                                          # (B, 1, S, dc + dr): ONE K/V head
+        value = cache.kv[..., :attn.d_latent].unsqueeze(1)                   # (B, 1, S, dc): the latent itself
+        o = F.scaled_dot_product_attention(query, key, value, scale=(dh + dr) ** -0.5, enable_gqa=True)
         mqa = attn.w_o(attn.expand_output(o).transpose(1, 2).reshape(B, 1, -1))   # (B, h, 1, dh) -> (B, 1, d)
-    return mha.relative_diff(mqa, step)
+    return relative_diff(mqa, step)
 
 
-def rope_before_absorption_gap(attn, x):
+def turned_keys_gap(attn, x):
     """The counter-example: RoPE on the content keys and queries, as in Llama, then W_UK absorbed anyway.
-    The true scores are RoPE_t(q_C,i) . RoPE_s(W_UK,i c_s). All absorption can compute is the query turned
-    first, (W_UK,i^T RoPE_t(q_C,i)) . c_s: the turn of key s is lost. Relative difference of the scores."""
+    The scores are R_t q_C,i . R_s (W_UK,i c_s); all absorption can compute is (W_UK,i^T R_t q_C,i) . c_s, which
+    drops the turn R_s of key s. Relative difference of the two, over the scores of x's sequence."""
     (B, T, _), positions = x.shape, torch.arange(x.shape[1])
+    h, dh = attn.n_heads, attn.d_head
     with torch.no_grad():
-        q, _, c, _ = attn.project(x, 0)
-        k = attn.w_uk(c).view(B, T, attn.n_heads, attn.d_head).transpose(1, 2)   # (B, T, h*dh) -> (B, h, T, dh)
-        true = rope(q, positions) @ rope(k, positions).transpose(2, 3)       # (B, h, T, T)
+        q, c = attn.w_q(x).view(B, T, h, dh).transpose(1, 2), attn.w_dkv(x)    # (B, h, T, dh), (B, T, dc)
+        k = attn.w_uk(c).view(B, T, h, dh).transpose(1, 2)                     # (B, T, h*dh) -> (B, h, T, dh)
+        true = rope(q, positions) @ rope(k, positions).transpose(2, 3)         # (B, h, T, T)
         absorbed = attn.absorb_query(rope(q, positions)) @ c.unsqueeze(1).transpose(2, 3)  # (B, h, T, T)
-    return mha.relative_diff(absorbed, true)
+    return relative_diff(absorbed, true)
 
 
 def run_checks(seed):
-    """The evidence that absorption is right, and that it needs the decoupled RoPE. True if all pass."""
+    """The evidence that the algebra of absorption holds in code, and what a turned content key would do."""
     print(f"1. Checks (B={BATCH}, T={SEQ_LEN}, d={D_MODEL}, h={N_HEADS}, dh={D_HEAD}, dc={D_LATENT}, dr={D_ROPE})")
     (attn64, x64), (attn32, x32) = demo_module(seed, torch.float64), demo_module(seed)
-    ok = mha.report("float64: max |absorbed - naive| / max |naive|", absorbed_vs_naive(attn64, x64), 1e-12)
-    ok &= mha.report("float32: the same, exact in algebra but not rounding", absorbed_vs_naive(attn32, x32), 1e-5)
-    ok &= mha.report("decode step vs MQA: key [c; k_R], value c (float64)", mqa_identity_gap(attn64, x64), 1e-12)
-    chunks = mha.prompt_chunks(SEQ_LEN)                    # as mha.check_cache feeds them: SEQ_LEN = 12: 0:6, 6:8, ...
-    sizes = [end - start for start, end in chunks]         # SEQ_LEN = 12: 6, 2, 1, 1, 1, 1
-    print(f"  cached, float32: chunks of {sizes} tokens, against one full forward")
+    ok = report("float64: max |absorbed - naive| / max |naive|", absorbed_vs_naive(attn64, x64), 1e-12)
+    ok &= report("float32: the same, exact in algebra but not rounding", absorbed_vs_naive(attn32, x32), 1e-5)
+    ok &= report("decode step vs PyTorch's MQA: key [c; k_R], value c", mqa_identity_gap(attn64, x64), 1e-12)
+    chunks = prompt_chunks(SEQ_LEN)
+    print(f"  cached, float32: chunks of {[end - start for start, end in chunks]} tokens, against one full forward")
     for absorbed in (False, True):
         label = f"  {'absorbed' if absorbed else 'naive':<9} max |cached - full| / max |full|"
-        ok &= mha.report(label, cached_vs_full(attn32, x32, absorbed, chunks), 1e-5)
-    n, want = attn32.new_cache(1, 512).nbytes, latent_cache_bytes(1, D_LATENT, D_ROPE, 512, bytes_per_elem=4)
+        ok &= report(label, cached_vs_full(attn32, x32, absorbed, chunks), 1e-5)
+    n, want = attn32.new_cache(1, 512).kv.nbytes, latent_cache_bytes(1, D_LATENT, D_ROPE, 512, bytes_per_elem=4)
     print(f"  512-token cache: {n:,} bytes allocated, {want:,} by the formula (dc + dr) x 512 x 4  "
           f"{'OK' if n == want else 'FAIL'}")
-    broken = rope_before_absorption_gap(attn64, x64)
-    print(f"  {'on purpose: RoPE on the content keys, then absorbed':<52} = {broken:.2e}  "
-          f"{'DETECTED, as it must be' if broken > 1e-3 else 'NOT DETECTED'}  (must exceed 1e-03)")
-    return ok and n == want and broken > 1e-3
+    turned = turned_keys_gap(attn64, x64)
+    print("  on purpose: RoPE on the content keys, then W_UK absorbed anyway, which drops each key's turn R_s:")
+    print(f"  {'  max |scores without R_s - scores| / max |scores|':<52} = {turned:.2e}  "
+          f"{'CHANGED, as it must' if turned > 1e-3 else 'NOT CHANGED  FAIL'}  (must exceed 1e-03)")
+    return ok and n == want and turned > 1e-3
 
 
 # ----------------------------------------------------------------------------- the cache, in bytes
@@ -288,58 +294,14 @@ def latent_cache_bytes(n_layers, d_latent, d_rope, seq_len, batch=1, bytes_per_e
 
 
 def cache_rows(layers, h, dh, dc, dr):
-    """[(kind, numbers per token per layer, formula)] for one model's shape, the four kinds and the careless MLA."""
-    return [("MHA", 2 * h * dh, "2 h dh"), (mha.attention_kind(h, GQA_KV_HEADS), 2 * GQA_KV_HEADS * dh,
-            f"2 {GQA_KV_HEADS} dh"), ("MQA", 2 * dh, "2 dh"), ("MLA", dc + dr, "dc + dr"),
-            ("MLA, careless", h * (2 * dh + dr), "h (2 dh + dr)")]   # every head's K (dh + dr wide) and V
+    """[(kind, numbers per token and layer, formula)] of one model's shape: MHA, GQA, MQA, MLA, careless MLA."""
+    return [("MHA", 2 * h * dh, "2 h dh"),
+            (mha.attention_kind(h, GQA_KV_HEADS), 2 * GQA_KV_HEADS * dh, "2 kv dh"),
+            ("MQA", 2 * dh, "2 dh"),
+            ("MLA", dc + dr, "dc + dr"),
+            ("MLA careless", h * (2 * dh + dr), "h (2 dh + dr)")]   # every head's K (dh + dr wide) and V kept
 
 
-# ----------------------------------------------------------------------------- decode time: a roofline
-# An absorbed decode step (T = 1) over S cached tokens does q_lat c^T, q_R k_R^T and p c: 2 h S (2 dc + dr) FLOPs.
-# It reads S (dc + dr) cached numbers and h (dc + dr) of queries, and writes h dc of output: at DeepSeek-V2's shape
-# the queries and output are a fifth of the bytes at 1024 tokens, so they are counted (97.8 FLOPs per byte in fp32,
-# 114 at 4096 tokens; 121 for the cache alone). mha.attend's step: 4 h S dh FLOPs on 2 kv S dh numbers, and 2 h dh.
-def mla_step_work(S, h, dc, dr):
-    """(FLOPs, fp32 bytes moved, of them cached).  mla_step_work(1024, 128, 512, 64) == (285212672, 2916352, 2359296)"""
-    return 2 * h * S * (2 * dc + dr), 4 * (S + h) * (dc + dr) + 4 * h * dc, 4 * S * (dc + dr)
-
-
-def gqa_step_work(S, h, kv, dh):
-    """The same for mha.attend.  gqa_step_work(4096, 128, 8, 128) == (268435456, 33685504, 33554432)"""
-    return mha.decode_flops(h, dh, S), mha.decode_bytes(kv, dh, S) + 8 * h * dh, mha.decode_bytes(kv, dh, S)
-
-
-@dataclass
-class Step:                        # one decode step: its work, and the best seconds of it and of a read of its cache
-    kind: str
-    S: int
-    flops: int
-    n_bytes: int                   # moved: the cache, the queries, the output
-    cache_bytes: int               # of them, the cache: what the read is timed on
-    seconds: float = math.inf
-    read_seconds: float = math.inf
-
-    def floor(self, matmul_flops):              # mha.roofline, the bytes moving as fast as its cache was read
-        return mha.roofline(self.flops, self.n_bytes, mha.Ceilings(self.cache_bytes / self.read_seconds, matmul_flops))
-
-
-# ----------------------------------------------------------------------------- main
-# What main() calls that is not above (the cache table, the timing, the plumbing) comes after it.
-def main(argv=None):
-    args = parse_args(argv)        # a bad flag or knob ends here, in one line (exit code 2)
-    print(f"Multi-head latent attention, d={D_MODEL}, h={N_HEADS}, dh={D_HEAD}: caches dc + dr = {D_LATENT} + "
-          f"{D_ROPE} = {D_LATENT + D_ROPE} numbers\nper token and layer, where MHA of the same heads caches "
-          f"2 h dh = {2 * N_HEADS * D_HEAD}\n")
-    ok = run_checks(args.seed)
-    print_cache_table()
-    steps, flops, elsewhere = measure_decode(DECODE_CONTEXTS, DECODE_ROUNDS, args.seed)
-    problems = timing_contradictions(steps, flops, elsewhere)
-    print_decode_table(steps, flops, problems)
-    print(f"\nNow change D_LATENT or D_ROPE and run again. All checks: {'OK' if ok else 'FAIL'}")
-    return 0 if ok else 1
-
-
-# ----------------------------------------------------------------------------- the cache table, the decode timing
 def print_cache_table():
     """Section 2: the cache of DeepSeek's models under each kind of attention, and what MLA keeps."""
     layers, h, dh, dc, dr = DEEPSEEK["DeepSeek-V2"]
@@ -350,149 +312,139 @@ def print_cache_table():
           f"latent_cache_bytes({layers}, {dc}, {dr}, {CACHE_TOKENS})\n   = {n:,} bytes = {n / 1e9:.2f} GB, against "
           f"{n_mha / 1e9:.1f} GB for MHA of the same layers, h and dh.\n   MLA careless: every head's K (dh + dr "
           "wide) and V rebuilt from the latent and kept.")
-    rows, widths = cache_rows(layers, h, dh, dc, dr), [10, 9, 9, 10, 15]    # one column per kind
+    widths = [10, 9, 9, 10, 15]                            # one column per kind
+    rows = cache_rows(layers, h, dh, dc, dr)
     print(f"   {'numbers per token-layer:':<29}" + "".join(f"{f:>{w}}" for (_, _, f), w in zip(rows, widths)))
-    print(f"   {'model':<17}{'layers':>7}{'h':>5}" + "".join(f"{k.replace(',', ''):>{w}}" for (k, _, _), w in
-                                                           zip(rows, widths)) + f"{'MLA vs MHA':>12}")
+    print(f"   {'model':<17}{'layers':>7}{'h':>5}" + "".join(f"{kind:>{w}}" for (kind, _, _), w in zip(rows, widths))
+          + f"{'MLA vs MHA':>12}")
     for name, shape in DEEPSEEK.items():
         rows = cache_rows(*shape)
-        gbs = [shape[0] * numbers * CACHE_TOKENS * CACHE_BYTES_PER_ELEM / 1e9 for _, numbers, _ in rows]
-        cells = "".join(f"{f'{x:.2f} GB':>{w}}" for x, w in zip(gbs, widths))
+        gbs = [shape[0] * count * CACHE_TOKENS * CACHE_BYTES_PER_ELEM / 1e9 for _, count, _ in rows]
+        cells = "".join(f"{f'{gb:.2f} GB':>{w}}" for gb, w in zip(gbs, widths))
         print(f"   {name:<17}{shape[0]:>7}{shape[1]:>5}{cells}{rows[0][1] / rows[3][1]:>11.1f}x")
-    print(f"   MLA keeps {dc + dr} numbers per token-layer, {(dc + dr) / (2 * dh):g} times MQA's {2 * dh}, yet every "
-          "head has keys and values of its own.")
+    print(f"   MLA keeps {dc + dr} numbers per token-layer, {(dc + dr) / (2 * dh):g} times MQA's {2 * dh}. From them "
+          f"each head rebuilds a content key\n   and a value of its own, all in the span of the one {dc}-wide latent; "
+          "all heads share one RoPE key.")
 
 
-def measure_decode(contexts, rounds, seed):
-    """([Step] by context, the matmul's FLOP/s, the cores other programs kept busy): MLA (latent_attend), MHA and
-    GQA (mha.attend) at DeepSeek-V2's shape in fp32, in rounds ordered as mha.measure_decode's, best of them."""
+def plot_cache():
+    """The figure: numbers (and bytes) cached per token and layer at DeepSeek-V2's shapes, on a log scale."""
+    from matplotlib.figure import Figure  # here, so that importing mla stays quick
     _, h, dh, dc, dr = DEEPSEEK["DeepSeek-V2"]
-    s_max, scale = max(contexts), (dh + dr) ** -0.5
-    torch.manual_seed(seed)
-    q_lat, q_rope, q = torch.randn(1, h, 1, dc), torch.randn(1, h, 1, dr), torch.randn(1, h, 1, dh)
-    c, k_rope = torch.full((1, s_max, dc), 0.01), torch.full((1, s_max, dr), 0.01)     # as in a LatentCache
-    pairs = {kv: torch.full((2, 1, kv, s_max, dh), 0.01) for kv in (h, GQA_KV_HEADS)}  # K, V: (B, kv, max_len, dh)
-    by_context = []                                        # per context: [(Step, the step and its arguments, its cache)]
-    for S in sorted(set(contexts), reverse=True):
-        cache = (c[:, :S], k_rope[:, :S])                  # (B, S, dc), (B, S, dr): views, nothing copied
-        runs = [(Step("MLA", S, *mla_step_work(S, h, dc, dr)), (latent_attend, q_lat, q_rope, *cache, scale), cache)]
-        for kv, pair in pairs.items():
-            runs.append((Step(mha.attention_kind(h, kv), S, *gqa_step_work(S, h, kv, dh)),
-                         (mha.attend, q, *pair[:, :, :, :S]), (pair[:, :, :, :S],)))   # K, V: (B, kv, S, dh)
-        by_context.append(runs)
-    a, matmul = torch.randn(mha.MATMUL_N, mha.MATMUL_N), math.inf
-    mha.keep_freed_memory()                                # as mha.py does: no page faults timed
-    start = mha.cpu_seconds()
-    with torch.no_grad():
-        for _ in range(rounds):
-            t0 = time.perf_counter()
-            a @ a
-            matmul = min(matmul, time.perf_counter() - t0)
-            for runs in by_context:                        # a context's every read, then every step, as in mha.py
-                for step, _, cache in runs:
-                    t0 = time.perf_counter()
-                    [t.sum() for t in cache]               # every number of its cache read once
-                    step.read_seconds = min(step.read_seconds, time.perf_counter() - t0)
-                for step, (fn, *args), _ in runs:
-                    t0 = time.perf_counter()
-                    fn(*args)
-                    step.seconds = min(step.seconds, time.perf_counter() - t0)
-    steps = sorted((step for runs in by_context for step, _, _ in runs), key=lambda step: step.S)   # MLA, MHA, GQA
-    return steps, 2 * mha.MATMUL_N**3 / matmul, mha.cores_elsewhere(start)
+    rows = cache_rows(0, h, dh, dc, dr)[:4]                # MHA, GQA-8, MQA, MLA
+    n_mha, n_mla = rows[0][1], rows[3][1]
+    fig = Figure(figsize=(9, 3.6))
+    ax = fig.subplots()
+    ax.set_xscale("log")
+    ax.set_xlim(100, 1e6)
+    ax.xaxis.set_major_formatter(lambda value, _: f"{value:,.0f}")    # 1,000 rather than 10^3
+    for y, (kind, count, formula) in zip(range(len(rows), 0, -1), rows):   # MHA on top
+        ax.barh(y, count, color="tab:orange" if kind == "MLA" else "tab:blue")
+        share = "" if count == n_mha else f", 1/{n_mha / count:.3g} of MHA's"
+        ax.text(count * 1.15, y, f"{count:,} numbers = {count * CACHE_BYTES_PER_ELEM:,} bytes{share}",
+                va="center", fontsize=9)
+    ax.set_yticks(range(len(rows), 0, -1), [f"{kind}\n{formula}" for kind, _, formula in rows])
+    ax.set_xlabel(f"numbers cached per token and layer (log scale); bytes at {CACHE_BYTES_PER_ELEM} per number")
+    ax.set_title(f"The cache per token and layer at DeepSeek-V2's shapes: h={h}, dh={dh}, dc={dc}, dr={dr}\n"
+                 f"MLA keeps {n_mla:,} numbers where MHA keeps {n_mha:,}: {n_mha / n_mla:.1f}x fewer", fontsize=10)
+    fig.tight_layout()
+    return fig
 
 
-def timing_contradictions(steps, matmul_flops, elsewhere=0.0, slack=0.1):
-    """[] or what cannot be true of a quiet machine: others busy, a step under its floor, GQA slower than MHA."""
-    problems = [f"other programs kept {elsewhere:.1f} cores busy"] if elsewhere > 0.25 else []
-    mha_at = {step.S: step.seconds for step in steps if step.kind == "MHA"}
-    for step in steps:
-        floor = step.floor(matmul_flops)[0]
-        if step.seconds < (1 - slack) * floor:
-            problems.append(f"{step.kind} at {step.S} tokens is {1 - step.seconds / floor:.0%} below its floor")
-        if step.kind.startswith("GQA") and step.S >= 1024 and step.seconds > (1 + slack) * mha_at[step.S]:
-            problems.append(f"{step.kind} is slower than MHA at {step.S} tokens")
-    return problems
-
-
-def print_decode_table(steps, matmul_flops, problems):
-    """Section 3: each step against its floor, then what they say, or NOT TRUSTWORTHY on a busy machine."""
-    _, h, dh, dc, dr = DEEPSEEK["DeepSeek-V2"]
-    print(f"\n3. Decode step: one layer's attention at DeepSeek-V2's shape (h={h}, dh={dh}, dc={dc}, dr={dr}), fp32,\n"
-          f"   best of {DECODE_ROUNDS} rounds on {mha.machine_name()}. Ceilings measured in the same rounds: a "
-          f"{mha.MATMUL_N}x{mha.MATMUL_N}\n   matmul at {matmul_flops / 1e9:.0f} GFLOP/s, and a read (a sum) of each "
-          "step's own cache. floor = max(bytes / read\n   rate, FLOPs / matmul rate), bytes of its cache, queries and "
-          "output:")
-    print(f"   {'context':>7}  {'kind':<7}{'FLOP/byte':>10}{'read GB/s':>11}  {'bound':<8}{'floor ms':>9}"
-          f"{'measured':>10}{'reaches':>9}{'vs MHA':>8}")
-    mha_at = {step.S: step.seconds for step in steps if step.kind == "MHA"}
-    for step in steps:
-        floor, bound = step.floor(matmul_flops)
-        print(f"   {step.S if step.kind == 'MLA' else '':>7}  {step.kind:<7}{step.flops / step.n_bytes:>10.1f}"
-              f"{step.cache_bytes / step.read_seconds / 1e9:>11.1f}  {bound:<8}{floor * 1e3:>9.3f}"
-              f"{step.seconds * 1e3:>10.3f}{floor / step.seconds:>9.0%}{mha_at[step.S] / step.seconds:>7.1f}x")
-    if problems:
-        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
-        print(f"   NOT TRUSTWORTHY, the machine was busy while timing: {problems[0]}{more}")
-        return
-    last = {step.kind: step for step in steps if step.S == steps[-1].S}
-    mla, mha_step, gqa = last["MLA"], last["MHA"], last[mha.attention_kind(h, GQA_KV_HEADS)]
-    gpu_name, gpu_flops, gpu_bandwidth = mha.GPU
-    ridge, mla_bf16 = gpu_flops / gpu_bandwidth, 2 * mla.flops / mla.n_bytes      # FLOPs per byte
-    print(f"   At {mla.S} tokens MLA does {mla.flops / mha_step.flops:.2f}x MHA's FLOPs on 1/"
-          f"{mha_step.n_bytes / mla.n_bytes:.0f} of its bytes and is {mha_step.seconds / mla.seconds:.1f}x faster "
-          f"({mla.floor(matmul_flops)[1]}-bound,\n   MHA {mha_step.floor(matmul_flops)[1]}-bound). In bf16 (half the "
-          f"bytes) MLA does {mla_bf16:.0f} FLOPs per byte, {gqa.kind} {2 * gqa.flops / gqa.n_bytes:.0f}: an "
-          f"{gpu_name}'s\n   ridge is at {ridge:.0f}: MLA's step lies {'below' if mla_bf16 < ridge else 'above'} it, "
-          f"at {mla_bf16 / ridge:.2f}x the ridge, and {gqa.kind}'s far below it, waiting on memory.")
+# ----------------------------------------------------------------------------- main
+def main(argv=None):
+    args = parse_args(argv)        # a bad flag, knob or folder ends here in one line, exit code 2
+    print(f"Multi-head latent attention, d={D_MODEL}, h={N_HEADS}, dh={D_HEAD}: caches dc + dr = {D_LATENT} + "
+          f"{D_ROPE} = {D_LATENT + D_ROPE} numbers\nper token and layer, where MHA of the same heads caches "
+          f"2 h dh = {2 * N_HEADS * D_HEAD}\n")
+    ok = run_checks(args.seed)
+    print_cache_table()
+    path = os.path.join(args.out_dir, "mla_cache.png")
+    plot_cache().savefig(path, dpi=100)
+    print(f"\n3. The figure of the cache per token and layer at DeepSeek-V2's shapes, written to "
+          f"{os.path.join(os.path.relpath(args.out_dir), '')}: mla_cache.png")
+    print(f"\nNow change D_LATENT or D_ROPE and run again. All checks: {'OK' if ok else 'FAIL'}")
+    return 0 if ok else 1
 
 
 # ----------------------------------------------------------------------------- plumbing: bad input in one sentence
-# As in mha.py: one sentence, before anything is computed, for what a learner can get wrong; PyTorch's for the rest.
-def check_sizes(d_model, n_heads, d_head, d_latent, d_rope):
-    """LatentAttention's sizes: whole numbers from 1, d_rope even."""
-    mha.check_counts([("d_model", d_model, 1), ("n_heads", n_heads, 1), ("d_head", d_head, 1),
-                      ("d_latent", d_latent, 1), ("d_rope", d_rope, 1)])
-    if d_rope % 2:
-        raise ValueError(f"d_rope={d_rope} must be even: RoPE turns its dimensions in pairs")
+# What a learner can get wrong ends in one sentence naming the value and the rule, before anything is computed
+# or written; the rest gets Python's or PyTorch's own error.
+def check_sizes(**sizes):
+    """Every size a whole number of at least 1 (numpy's too), d_rope even."""
+    for name, value in sizes.items():
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+            raise ValueError(f"{name}={value!r} must be a whole number of at least 1")
+    if sizes.get("d_rope", 0) % 2:
+        raise ValueError(f"d_rope={sizes['d_rope']} must be even: RoPE turns its dimensions in pairs")
 
 
 def check_call(attn, x, cache):
-    """A call attn(x, cache) that can work. A refused call leaves the cache as it was."""
-    mha.check_x(x, attn.d_model, attn.w_dkv.weight)
+    """A call attn(x, cache) that can work: x (B, T, d) in the weights' dtype and device; a cache that fits it,
+    not under autograd. A refused call leaves the cache as it was."""
+    w = attn.w_dkv.weight
+    if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[2] != attn.d_model or 0 in x.shape:
+        shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+        raise ValueError(f"x must be (B, T, d_model={attn.d_model}) with B, T >= 1, got {shape}")
+    if x.dtype != w.dtype or x.device != w.device:
+        raise TypeError(f"x is {x.dtype} on {x.device}, the module {w.dtype} on {w.device}: convert one with .to()")
     if cache is None:
         return
-    if not isinstance(cache, LatentCache):
-        raise TypeError(f"cache must be a LatentCache, as new_cache() makes, got {type(cache).__name__}")
-    mha.check_no_autograd([x, *attn.parameters()])
-    B, max_len = x.shape[0], cache.c.shape[1]
-    mha.check_cache_fits(x, {"latent c": (cache.c, (B, max_len, attn.d_latent)),
-                             "RoPE key": (cache.k_rope, (B, max_len, attn.d_rope))}, cache.length, max_len)
+    if torch.is_grad_enabled() and any(p.requires_grad for p in [x, *attn.parameters()]):
+        raise RuntimeError("decoding with a cache writes it in place, which autograd cannot follow: call the "
+                           "module under torch.no_grad() or torch.inference_mode()")
+    kv, (B, T, _) = cache.kv, x.shape
+    want = (B, kv.shape[1], attn.d_latent + attn.d_rope)
+    if tuple(kv.shape) != want or kv.dtype != x.dtype or kv.device != x.device:
+        raise ValueError(f"the cache is {tuple(kv.shape)} in {kv.dtype} on {kv.device}; this call needs {want} "
+                         f"in {x.dtype} on {x.device}: make it with new_cache()")
+    if not 0 <= cache.length <= kv.shape[1] - T:
+        raise ValueError(f"the cache holds {cache.length} of its {kv.shape[1]} tokens: {T} more do not fit")
+
+
+def report(label, diff, tol):
+    """Print one aligned line of evidence and return whether diff is within tol."""
+    ok = diff <= tol
+    print(f"  {label:<52} = {diff:.2e}  {'OK' if ok else 'FAIL'}  (tolerance {tol:.0e})")
+    return ok
+
+
+def relative_diff(a, b):
+    """max |a - b| / max |b|: a difference in units of b's own size, whatever the input's scale."""
+    return ((a - b).abs().max() / b.abs().max()).item()
 
 
 def parse_args(argv=None):
-    """The flag, defaulting to its knob; a bad flag or a knob that cannot work exits 2 in one line."""
-    parser = mha.Parser(prog="mla.py", description="Multi-head latent attention (DeepSeek-V2): absorption proven, "
-                        "the MQA identity, the cache of DeepSeek's models, a decode step on the roofline.",
-                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    """The flags, defaulting to their knobs. A bad flag, a knob that cannot work or a folder that cannot be
+    written ends here, in one line and exit code 2, before anything is computed."""
+    parser = argparse.ArgumentParser(
+        prog="mla.py", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        description="Multi-head latent attention (DeepSeek-V2): absorption checked, the MQA identity, the cache "
+                    "of DeepSeek's models and its figure.")
     parser.add_argument("--seed", type=int, default=SEED, help="seed for every random number")
+    parser.add_argument("--out-dir", default=OUT_DIR, help="folder for mla_cache.png, made if missing")
     args = parser.parse_args(argv)
-    counts = [("SEQ_LEN", SEQ_LEN, 2), ("BATCH", BATCH, 1), ("CACHE_TOKENS", CACHE_TOKENS, 1),   # SEQ_LEN: a prompt
-              ("CACHE_BYTES_PER_ELEM", CACHE_BYTES_PER_ELEM, 1), ("GQA_KV_HEADS", GQA_KV_HEADS, 1),  # and a token more
-              ("DECODE_ROUNDS", DECODE_ROUNDS, 1), *((f"DECODE_CONTEXTS[{i}]", S, 1) for i, S in
-                                                      enumerate(DECODE_CONTEXTS))]
     try:
-        check_sizes(D_MODEL, N_HEADS, D_HEAD, D_LATENT, D_ROPE)
-        mha.check_counts(counts)
-        if any(h % GQA_KV_HEADS for _, h, _, _, _ in DEEPSEEK.values()):
-            raise ValueError(f"GQA_KV_HEADS={GQA_KV_HEADS} must divide the heads of every model in DEEPSEEK")
-    except (TypeError, ValueError) as e:
-        parser.error(str(e))
-    if not DECODE_CONTEXTS:
-        parser.error("DECODE_CONTEXTS must hold at least one context length")
-    if not 0 <= args.seed < 2**32:
-        parser.error(f"--seed {args.seed} must be between 0 and 2**32 - 1")
+        check_sizes(d_model=D_MODEL, n_heads=N_HEADS, d_head=D_HEAD, d_latent=D_LATENT, d_rope=D_ROPE,
+                    BATCH=BATCH, CACHE_TOKENS=CACHE_TOKENS, GQA_KV_HEADS=GQA_KV_HEADS)
+    except ValueError as e:
+        parser.exit(2, f"mla.py: error: {e}\n")
+    if isinstance(SEQ_LEN, bool) or not isinstance(SEQ_LEN, int) or SEQ_LEN < 2:
+        parser.exit(2, f"mla.py: error: SEQ_LEN={SEQ_LEN!r} must be a whole number of at least 2\n")
+    if any(h % GQA_KV_HEADS for _, h, _, _, _ in DEEPSEEK.values()):
+        parser.exit(2, f"mla.py: error: GQA_KV_HEADS={GQA_KV_HEADS} must divide every model's heads in DEEPSEEK\n")
+    try:
+        os.makedirs(args.out_dir, exist_ok=True)
+    except OSError as e:
+        parser.exit(2, f"mla.py: error: --out-dir {args.out_dir!r} cannot be made: {e.strerror}\n")
     return args
 
 
 if __name__ == "__main__":
-    mha.run_as_script(main)
+    try:
+        code = main()
+        sys.stdout.flush()
+    except BrokenPipeError:        # python mla.py | head: the reader left; Python's docs on SIGPIPE say to
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())   # silence stdout and exit 1
+        code = 1
+    sys.exit(code)
