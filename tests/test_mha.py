@@ -217,3 +217,10 @@ def test_a_cached_call_under_autograd_is_refused_and_training_without_a_cache_wo
     refused_without_a_write(attn, cache, torch.randn(1, 1, 256), RuntimeError, ["torch.no_grad()"])
     attn(torch.randn(2, 5, 256)).sum().backward()
     assert attn.in_proj.weight.grad is not None
+
+
+def test_a_check_line_says_fail_for_any_difference_where_0_is_claimed(capsys):
+    assert not mha.report("exact", 6e-8, 0.0) and mha.report("exact", 0.0, 0.0)
+    assert not mha.report("rounding", 3e-6, 2e-6) and mha.report("rounding", 1e-6, 2e-6)
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split("  ")[-2] for line in lines] == ["FAIL", "OK", "FAIL", "OK"]
