@@ -226,11 +226,11 @@ class CausalMHA(nn.Module):
 # ----------------------------------------------------------------------------- the KV cache, in bytes
 # Every request shares the weights but keeps a cache of its own, in every layer. At batch 1 a 7B model's weights
 # (6.7e9 numbers, 13.5 GB in fp16) outweigh its 2.15 GB cache at 4096 tokens; with a few dozen requests, or long
-# ones, the caches do, and they decide how many requests fit at a time. A GPU reads a request's whole cache at every
-# decode step and computes little with it (a bf16 step does g FLOPs per byte, an H100 could do about 295), so the
-# step waits on memory: fewer K/V heads, fewer bytes, a faster step (decode.py). A model too big for one GPU splits
-# its heads across GPUs (tensor parallelism); with more GPUs than K/V heads, each K/V head is stored on several GPUs
-# at once, which eats into MQA's saving: the GQA paper's argument for GQA-8 over MQA on 8 GPUs.
+# ones, the caches do, and they decide how many requests fit at a time. Each decode step reads the whole cache and
+# does little with each number: one multiply-add per query head of its group, g FLOPs per byte in bf16, where an
+# H100 can do about 295 FLOPs in the time it reads a byte. So the step waits on memory, and fewer K/V heads make it
+# faster (decode.py measures it). A model too big for one GPU splits its heads across GPUs (tensor parallelism); with
+# more GPUs than K/V heads, a K/V head is stored on several GPUs at once: the GQA paper's case for GQA-8 over MQA.
 def kv_cache_bytes(n_layers, n_kv_heads, d_head, seq_len, batch=1, bytes_per_elem=2):
     """Bytes of the KV cache: 2 (K and V) x layers x K/V heads x dh x tokens x batch x bytes per number.
 
