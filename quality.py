@@ -14,7 +14,7 @@ reports validation loss in bits per character, with a 95 % confidence interval f
 It does not claim the cost at scale (d=64, two layers, minutes of training); no dropout, GPU, tokenizer.
 
 Run it:   python quality.py           (6 minutes on 2 quiet cores, 13 at the slowest this VM has run; writes figures/)
-          python quality.py --quick   (about a minute: a smoke run for trying an edit; it resolves nothing)
+          python quality.py --quick   (half a minute: a smoke run for trying an edit; it resolves nothing)
 
 Papers: Vaswani et al. 2017, arXiv:1706.03762; Shazeer 2019 (MQA), arXiv:1911.02150; Ainslie et al. 2023 (GQA),
 arXiv:2305.13245; Michel, Levy and Neubig 2019, "Are Sixteen Heads Really Better than One?", arXiv:1905.10650.

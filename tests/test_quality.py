@@ -129,7 +129,7 @@ def started_with_workers(tmp_path, **kwargs):
         if len(workers) == quality.WORKERS:
             break
         time.sleep(0.1)
-    time.sleep(1.0)                                       # spawned: importing torch, reading the data or training
+    time.sleep(0.5)                                       # spawned: importing torch, reading the data or training
     return p, workers
 
 
