@@ -5,6 +5,7 @@ import importlib
 import io
 import math
 import os
+import re
 
 import pytest
 import torch
@@ -181,6 +182,17 @@ def test_the_script_prints_every_check_and_writes_its_figure(default_run):
     assert code == 0 and out.count("  OK  (tolerance") == 5 and "CHANGED, as it must" in out
     assert "   DeepSeek-V2           60  128  16.11 GB  1.01 GB  0.13 GB   0.28 GB       20.13 GB       56.9x" in out
     assert out.rstrip().endswith("All checks: OK") and (out_dir / "mla_cache.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_the_lab_notes_quote_the_real_output(default_run):
+    """The lab notes quote sections 1 and 2 of a run, up to values held to a tolerance."""
+    with open(os.path.join(ROOT, "LABNOTES.md")) as f:
+        quoted = f.read().split("<!-- mla-output:start -->\n```text\n")[1].split("```\n<!-- mla-output:end -->")[0]
+
+    def comparable(text):                                 # values held to a tolerance differ between CPUs
+        return re.sub(r"= \d\.\d\de[+-]\d\d  OK", "= <value>  OK", text.split("\n\n3. ")[0].rstrip())
+
+    assert comparable(quoted) == comparable(default_run[1])
 
 
 def test_a_failing_check_says_fail_and_exits_1(monkeypatch, capsys, tmp_path):
