@@ -121,12 +121,11 @@ def attend_textbook(q, k, v):
 def attend_grouped(q, k, v):
     """attend_textbook's o and p (shapes as there) without copying K or V: CausalMHA's path.
 
-    The copies cost memory and time: a decode step reads the whole cache, and repeat_interleave writes it out g
-    times first (decode.py measures it). Since query heads go group by group (heads n*g .. n*g + g - 1 read K/V
-    head n), q views as (B, kv, g, T, dh), and each group meets its one K/V head. einsum names every dimension by a
-    letter: b batch, n K/V head, g query head in its group, t new token, s key, e head width. A letter missing from
-    the output is summed over, so "bngte,bnse->bngts" is q k^T for every b, n and g, with k[b, n] used by all g.
-    In a REPL (from mha import *):
+    Copies cost time: repeat_interleave writes the whole cache out g times before a decode step reads it (decode.py
+    measures it). Query heads go group by group (heads n*g .. n*g + g - 1 read K/V head n), so q views as
+    (B, kv, g, T, dh), and each group meets its one K/V head. einsum names each dimension by a letter: b batch, n K/V
+    head, g query head in its group, t new token, s key, e head width. A letter missing from the output is summed
+    over: "bngte,bnse->bngts" is q k^T for every b, n and g, k[b, n] used by all g. In a REPL (from mha import *):
     q, k, v = torch.randn(1, 4, 3, 8), torch.randn(1, 2, 3, 8), torch.randn(1, 2, 3, 8)   # h=4, kv=2, T=S=3
     (attend_grouped(q, k, v)[0] - attend_textbook(q, k, v)[0]).abs().max()   # about 1e-7: rounding, nothing more
     """
@@ -135,7 +134,8 @@ def attend_grouped(q, k, v):
     q = q.view(B, kv, h // kv, T, dh)                      # (B, h, T, dh) -> (B, kv, g, T, dh): h = kv x g, no copy
     # Multiplying q by sqrt(1 / dh) first is the formula's / sqrt(dh), in the order nn.MultiheadAttention uses.
     scores = torch.einsum("bngte,bnse->bngts", q * math.sqrt(1.0 / dh), k)   # (B, kv, g, T, S)
-    scores = scores + causal_mask(T, S, q.dtype)           # the (T, S) mask, the same for every b, n, g
+    if T > 1:                                              # one new token (a decode step) may see every key
+        scores = scores + causal_mask(T, S, q.dtype)       # the (T, S) mask, the same for every b, n, g
     p = scores.softmax(dim=-1)                             # (B, kv, g, T, S): each row sums to 1
     o = torch.einsum("bngts,bnse->bngte", p, v)            # (B, kv, g, T, dh): v[b, n] used by all g
     return o.view(B, h, T, dh), p.view(B, h, T, S)         # (B, kv, g, ...) -> (B, h, ...): head n*g + i
