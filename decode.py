@@ -14,7 +14,7 @@ Why fewer K/V heads make generation faster, measured: one decode step of a Llama
   - A machine busy with other programs gives timings that contradict each other: the run says NOT TRUSTWORTHY.
 Not here: the rest of a layer (projections, MLP: they read the weights, the same for every configuration),
 batches of requests, bf16 on a CPU, GPU timings (the H100's lines are arithmetic, not measurements).
-Run:    python decode.py  (about 10 s; writes figures/decode_time.png)     python decode.py --out-dir /tmp/figs
+Run:    python decode.py  (5 to 10 s; writes figures/decode_time.png)     python decode.py --out-dir /tmp/figs
 Papers: Williams, Waterman, Patterson 2009, "Roofline" (CACM 52(4)); Shazeer 2019, MQA (arXiv:1911.02150);
         Ainslie et al. 2023, GQA (arXiv:2305.13245).
 Shapes: mha.py's: B batch, T new tokens, S keys (cached and new), h query heads, kv K/V heads, g = h / kv query

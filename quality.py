@@ -13,7 +13,7 @@ reports validation loss in bits per character, with a 95 % confidence interval f
   D. Head ablation (Michel et al. 2019): how much one trained MHA needs each of its heads.
 It does not claim the cost at scale (d=64, two layers, minutes of training); no dropout, GPU, tokenizer.
 
-Run it:   python quality.py           (6 minutes on 2 quiet cores, 13 at the slowest this VM has run; writes figures/)
+Run it:   python quality.py           (6 minutes on 2 quiet cores, up to 13 on a slow or busy machine; writes figures/)
           python quality.py --quick   (half a minute: a smoke run for trying an edit; it resolves nothing)
 
 Papers: Vaswani et al. 2017, arXiv:1706.03762; Shazeer 2019 (MQA), arXiv:1911.02150; Ainslie et al. 2023 (GQA),
