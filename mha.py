@@ -33,7 +33,7 @@ D_MODEL = 256        # d: model width, so each head is dh = 256 / 8 = 32 wide
 SENTENCE = "the cat sat on the mat and the dog sat on it"   # the demo's tokens, a word each: T = 12
 BATCH = 2            # B: sequences in the cached-decoding check
 SEED = 0             # every random number in the run comes from this seed
-TOLERANCE = 2e-6     # what a check allows where the order of float32 additions differs (rounding: about 1e-7 here)
+TOLERANCE = 2e-6     # what a check allows where the order of float32 additions differs (rounding: a few 1e-7 here)
 OUT_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "figures")
 
 # The cache tables use published shapes: (layers, query heads, K/V heads, head width).
@@ -323,12 +323,12 @@ def check_against_torch(n_kv_heads, seed):
     """Ours against PyTorch on one sequence: MHA to the bit, GQA/MQA within TOLERANCE, and one copy that must fail.
 
     nn.MultiheadAttention has two paths. need_weights=True writes attention out: q times sqrt(1/dh), the product,
-    the mask added, softmax, times v, the operations of attend_grouped in the same order on the same shapes.
-    need_weights=False makes the fused call that fused=True makes. So for MHA each pair does the same arithmetic in
-    the same order and must agree to the bit. (A float mask keeps PyTorch off a third path, its "fast path" for
-    inference, which rounds differently.) GQA/MQA are compared with an nn.MultiheadAttention whose K/V heads are
-    repeated (to_torch), and with F.scaled_dot_product_attention(enable_gqa=True), our fused path: other shapes,
-    other rounding, so within TOLERANCE.
+    the mask added (inside the product's call; we add it after: 0 and -inf add exactly either way), softmax, times
+    v, on the shapes attend_grouped uses for MHA. need_weights=False makes the fused call that fused=True makes. So
+    for MHA each pair does the same arithmetic and should agree to the bit: claimed at the demo's shapes, which the
+    tests check on every CPU code path CI tries. GQA/MQA are compared with an nn.MultiheadAttention whose K/V heads
+    are repeated (to_torch), and with F.scaled_dot_product_attention(enable_gqa=True), our fused path: other shapes
+    may round otherwise, so within TOLERANCE.
     """
     T = len(SENTENCE.split())
     print(f"\n4. Against PyTorch, one sequence of {T} tokens, fp32: max |ours - theirs|, theirs for GQA/MQA an nn.MHA\n"
@@ -384,7 +384,7 @@ def report(label, diff, tol):
 
 def differences(attn, ref, x):
     """max |attn - ref| on x: [written-out output, its per-head weights, fused output]; ref an nn.MHA."""
-    float_mask = causal_mask(x.shape[1], x.shape[1], x.dtype)   # (T, T), not bool: check_against_torch says why
+    float_mask = causal_mask(x.shape[1], x.shape[1], x.dtype)   # (T, T); bool would take nn.MHA's fast path, other bits
     with torch.no_grad():
         # nn.MultiheadAttention takes query, key and value inputs apart: all three are x in self-attention.
         y_ref, w_ref = ref(x, x, x, attn_mask=float_mask, need_weights=True, average_attn_weights=False)
