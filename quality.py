@@ -518,8 +518,8 @@ def print_table_d(ablation, roles, chance, seed, best):
           f"{EVAL_WINDOWS} windows. The validation text\n   is the documentation's last topics, in name order, and a "
           f"window's rise correlates with its neighbours'\n   far along (over the heads, at lag 1 {min(lags[1]):+.2f} "
           f"to {max(lags[1]):+.2f}, at lag 10 {min(lags[10]):+.2f} to {max(lags[10]):+.2f}), so the [95% interval]\n"
-          f"   is over {BLOCKS} blocks of {width} consecutive windows: it covers the sampling of validation windows "
-          "for this\n   one model, not other seeds. Rank 1 is the head the model needs most; role: C's 'favours most'")
+          f"   is over {BLOCKS} blocks of {width} consecutive windows (90 % coverage, measured): the sampling of "
+          "windows\n   for this one model, not other seeds. Rank 1: the head most needed; role: C's 'favours most'")
     print(f"   {'layer':>5}{'head':>5}   {'loss rise [95% interval]':<27}{'rank':>4}   role (C)")
     for hd in heads:
         role = "{}, {:.1f}x uniform".format(*strongest(roles, chance, *hd))
