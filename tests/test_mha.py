@@ -177,6 +177,7 @@ def test_numpy_whole_numbers_are_sizes():
     (torch.randn(1, 5, 128), ValueError, ["(1, 5, 128)"]),
     (torch.randn(1, 0, 256), ValueError, ["(1, 0, 256)"]),
     (torch.randn(1, 5, 256, dtype=torch.float64), TypeError, ["torch.float64", "torch.float32", ".to()"]),
+    (torch.empty(1, 5, 256, device="meta"), TypeError, ["on meta", "on cpu"]),
 ])
 def test_a_wrong_x_is_refused_in_one_sentence(x, error, words):
     with pytest.raises(error) as e:
