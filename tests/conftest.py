@@ -49,13 +49,3 @@ def gqa_module(d, h, kv, dtype=torch.float32, seed=0):
     torch.manual_seed(seed)
     return mha.random_biases(mha.CausalMHA(d, h, kv).to(dtype))
 
-
-def record_calls(monkeypatch, owner, name, log, entry):
-    """owner.name, wrapped for this test: each call appends entry(*its arguments) to log, then runs the real one."""
-    real = getattr(owner, name)
-
-    def wrapper(*args):
-        log.append(entry(*args))
-        return real(*args)
-
-    monkeypatch.setattr(owner, name, wrapper)
