@@ -8,6 +8,7 @@ import sys
 
 import matplotlib
 import pytest
+import torch
 from conftest import ROOT, comparable, run_main, run_script
 
 import mha
@@ -183,3 +184,22 @@ def test_try_a_longer_context(tmp_path, capsys):
     assert "MHA's 4,294,967,296 bytes are 4.29 GB but 4.00 GiB" in out
     assert "Llama-2-7B               32   32   32  128  MHA        4.29 GB         9" in out
     assert "Llama-2-7B: 18 to 9" in things_to_try()
+
+
+def test_the_readmes_tensor_table_is_what_forward_makes(monkeypatch):
+    seen, real = {}, torch.einsum
+
+    def einsum(equation, a, b):                            # records the first input's and the output's shapes
+        out = real(equation, a, b)
+        seen[equation] = (tuple(a.shape), tuple(out.shape))
+        return out
+
+    monkeypatch.setattr(torch, "einsum", einsum)
+    T, h, kv, dh = len(mha.SENTENCE.split()), mha.N_HEADS, mha.N_KV_HEADS, mha.D_MODEL // mha.N_HEADS
+    with torch.no_grad():
+        y = mha.demo_module(kv, 0)(torch.randn(1, T, mha.D_MODEL))
+    table = readme().split("The demo's tensors")[1].split("```text\n")[1].split("```")[0]
+    rows = dict(re.match(r"(.+?)\s+(\([\d, ]+\))", line).groups() for line in table.splitlines())
+    q_grouped, scores = seen["bngte,bnse->bngts"]
+    assert rows == {"x": str((1, T, mha.D_MODEL)), "q": str((1, h, T, dh)), "k, v": str((1, kv, T, dh)),
+                    "q in attend_grouped": str(q_grouped), "scores, p": str(scores), "y": str(tuple(y.shape))}
