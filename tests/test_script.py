@@ -203,3 +203,16 @@ def test_the_readmes_tensor_table_is_what_forward_makes(monkeypatch):
     q_grouped, scores = seen["bngte,bnse->bngts"]
     assert rows == {"x": str((1, T, mha.D_MODEL)), "q": str((1, h, T, dh)), "k, v": str((1, kv, T, dh)),
                     "q in attend_grouped": str(q_grouped), "scores, p": str(scores), "y": str(tuple(y.shape))}
+
+
+def test_the_readmes_quality_numbers_are_those_of_the_run_the_lab_notes_quote():
+    with open(os.path.join(ROOT, "LABNOTES.md")) as f:
+        run = f.read().split("## The default run of quality.py")[1].split("```text\n")[1].split("```")[0]
+    chapter = " ".join(readme().split("**What sharing costs:**")[1].split("![")[0].split())
+    mqa = re.search(r"\n   MQA .* (\+\d\.\d{3}) \[(\+\d\.\d{3}), (\+\d\.\d{3})\]   worse than MHA", run).groups()
+    assert "MQA costs {} bits per character, 95 % interval [{}, {}]".format(*mqa) in chapter
+    gaps = {kind: re.search(rf"\n   {kind} +mean pool .*?([+-]\d\.\d{{3}}) \[.*?\] +([+-]\d\.\d{{3}}) \[", run).groups()
+            for kind in ("GQA-4", "MQA")}
+    five, twenty = [[round(float(gaps[kind][i]), 2) for kind in ("GQA-4", "MQA")] for i in (0, 1)]
+    assert "ends GQA-4 {:+.2f} and MQA {:+.2f} behind".format(*five) in chapter
+    assert "20 % more, {:+.2f} and {:+.2f}".format(*twenty) in chapter
