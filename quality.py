@@ -283,12 +283,12 @@ def paired(values):
     return f"{statistics.mean(values):+.3f}" + ("" if ci is None else f" [{ci[0]:+.3f}, {ci[1]:+.3f}]")
 
 
-def verdict(diffs, worse="worse than MHA", better="better than MHA"):
+def verdict(diffs):
     """What the 95 % interval of the paired differences allows one to say, in words."""
     ci = interval(diffs)
     if ci is None:
         return "one seed: cannot judge"
-    return worse if ci[0] > 0 else better if ci[1] < 0 else "not resolved"
+    return "worse than MHA" if ci[0] > 0 else "better than MHA" if ci[1] < 0 else "not resolved"
 
 
 def tested_in_order():
@@ -306,8 +306,9 @@ def seeds_of(name, seeds):
 def run_from_scratch(seeds, steps, run):
     """Train every configuration on its seeds. Returns {config: {seed: (model, validation bits/char, AdamW state)}}."""
     tasks = [(name, seed, steps) for name in CONFIGS for seed in seeds_of(name, seeds)]   # MHA, the longest, first
+    done = run("A. from scratch", [(train_from_scratch, task, steps) for task in tasks])
     results = {name: {} for name in CONFIGS}
-    for (name, seed, _), result in zip(tasks, run("A. from scratch", [(train_from_scratch, t, steps) for t in tasks])):
+    for (name, seed, _), result in zip(tasks, done):
         results[name][seed] = result
     return results
 
@@ -349,9 +350,8 @@ def print_table_a(scratch, steps):
 
 
 # ----------------------------------------------------------------------------- B. conversion
-# Ainslie et al. continue pre-training the converted checkpoint "on the same pre-training recipe" for 5 % of its
-# steps. Here that is A going on: its AdamW state (the K/V rows' moments pooled as their weights are; zero for random
-# K/V), its last learning rate held, the batches after A's. The control, the MHA resumed alike, must not get worse.
+# Ainslie et al. continue pre-training a converted checkpoint on its own recipe for 5 % of its steps. Here A goes on:
+# AdamW resumed (K/V rows' moments pooled like their weights), its last lr, its next batches; the control likewise.
 def run_conversion(scratch, steps, run, seeds):
     """Every conversion of seeds' MHAs, trained on, and beside them D's ablation: ({seed: {(config, pool): {step:
     bits/char}}}, head_ablation's result). ("MHA", "none") is the control, the MHA resumed unchanged."""
