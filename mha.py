@@ -155,6 +155,20 @@ class KVCache:
     v: torch.Tensor
     length: int = 0
 
+    # What forward asks of a cache: these three, `length` and `append`. Another cache (one that stores its
+    # numbers in fewer bits, say) works with CausalMHA if it answers the same five.
+    @property
+    def shape(self):
+        return tuple(self.k.shape)                         # (B, kv, max_len, dh): what it can hold
+
+    @property
+    def dtype(self):
+        return self.k.dtype                                # of the keys and values append returns
+
+    @property
+    def device(self):
+        return self.k.device
+
     def append(self, k, v):
         """Write k, v: (B, kv, T, dh) after the cached tokens; return all of them, (B, kv, S, dh)."""
         S = self.length + k.shape[2]                       # tokens held after this call: cached + T new
@@ -583,11 +597,15 @@ def check_call(attn, x, need_weights, cache, fused):
         raise RuntimeError("a cached call writes the cache in place, which autograd cannot follow: call the module "
                            "under torch.no_grad()")
     B, T, _ = x.shape
-    want = (B, attn.n_kv_heads, cache.k.shape[2], attn.d_head)      # (B, kv, max_len, dh)
-    if tuple(cache.k.shape) != want:
-        raise ValueError(f"the cache is {tuple(cache.k.shape)}, this call needs {want}: make it with new_cache()")
-    if cache.length + T > cache.k.shape[2]:
-        raise ValueError(f"the cache holds {cache.length} of its {cache.k.shape[2]} tokens: {T} more do not fit")
+    max_len = cache.shape[2]
+    want = (B, attn.n_kv_heads, max_len, attn.d_head)      # (B, kv, max_len, dh)
+    if cache.shape != want:
+        raise ValueError(f"the cache is {cache.shape}, this call needs {want}: make it with new_cache()")
+    if cache.dtype != weight.dtype or cache.device != weight.device:
+        raise TypeError(f"the cache is {cache.dtype} on {cache.device}, the module {weight.dtype} on "
+                        f"{weight.device}: make the cache with new_cache() after converting the module")
+    if cache.length + T > max_len:
+        raise ValueError(f"the cache holds {cache.length} of its {max_len} tokens: {T} more do not fit")
 
 
 if __name__ == "__main__":

@@ -212,6 +212,23 @@ def test_a_cache_that_would_overflow_or_does_not_fit_is_refused_before_it_is_wri
     assert cache.length == 8
 
 
+def test_a_cache_in_another_dtype_or_on_another_device_is_refused_before_it_is_written():
+    attn = gqa_module(*DEMO, 2).eval()
+    cache = attn.new_cache(1, 8)
+    with torch.no_grad():
+        attn(torch.randn(1, 3, 256), cache=cache)
+        attn.double()                                       # the module converted after its cache was made
+        refused_without_a_write(attn, cache, torch.randn(1, 2, 256, dtype=torch.float64), TypeError,
+                                ["torch.float32", "torch.float64", "new_cache()"])
+        attn.float()
+        elsewhere = mha.KVCache(*torch.zeros(2, 1, 2, 8, 32, device="meta"))   # a meta tensor stands in for a GPU
+        with pytest.raises(TypeError, match="meta"):
+            attn(torch.randn(1, 1, 256), cache=elsewhere)
+        assert elsewhere.length == 0
+        attn(torch.randn(1, 2, 256), cache=cache)           # the cache goes on where it stood
+    assert cache.length == 5
+
+
 def test_a_cached_call_under_autograd_is_refused_and_training_without_a_cache_works():
     attn = gqa_module(*DEMO, 2)
     cache = attn.new_cache(1, 4)
