@@ -583,36 +583,41 @@ def print_table_e(losses):
 
 
 def print_answer(losses):
-    """At each fraction of MHA's bytes in BUDGETS: the lowest loss of each kind that fits, and the best minus
-    the next best kind, paired over the seeds both trained on."""
+    """At each fraction of MHA's bytes in BUDGETS, the lowest mean loss of each kind that fits, each against the
+    best of all, paired over the seeds both trained on; the answer: the best and every kind not resolved from it."""
     full, mean = cache_bytes_per_token(N_HEADS), {o: statistics.mean(v.values()) for o, v in losses.items()}
-    print(f"   At equal bytes: within 1/{', 1/'.join(map(str, BUDGETS))} of MHA's {full} a token, the lowest "
-          "mean loss of each kind, and the best minus\n   the next best kind, paired over the seeds both ran "
-          "[95% interval]")
-    print(f"   {'budget':<12}" + "".join(f"{k:<22}" for k in ("fewer heads", "fewer bits", "both"))
-          + "best minus next best kind")
+
+    def said(name, bits):
+        how = "as trained" if bits is None else f"in {bits} bits"
+        return f"{name} {how} ({cache_bytes_per_token(CONFIGS[name], bits)} bytes), {mean[name, bits]:.3f}"
+
+    print("\n   The answer at equal bytes: the lowest mean loss of each kind that fits, minus the best, paired over "
+          "the seeds\n   both ran [95% interval]; the answer is the best and every kind not resolved from it")
     for fraction in BUDGETS:
         budget, best = full // fraction, {}
         for name, bits in sorted(losses, key=mean.get):
             if cache_bytes_per_token(CONFIGS[name], bits) <= budget:
                 best.setdefault(kind(name, bits), (name, bits))
-        cells = "".join(f"{'none fits':<22}" if k not in best else
-                        "{:<6}{:>5} {:.3f}    ".format(best[k][0], best[k][1] or "full", mean[best[k]])
-                        for k in ("fewer heads", "fewer bits", "both"))
-        first, second = sorted(best.values(), key=mean.get)[:2]
-        seeds = [s for s in losses[first] if s in losses[second]]
-        diffs = [losses[first][s] - losses[second][s] for s in seeds]
-        ci = interval(diffs)
-        said = kind(*first) if ci is not None and ci[1] < 0 else f"{kind(*first)} or {kind(*second)}"
-        print(f"   1/{fraction} ({budget:>3})   {cells}{paired(diffs, digits=3)}: {said}")
-    print("   At scale, papers keep every K/V head and round: KIVI (arXiv:2402.02750) at 2 bits, keys per "
-          "channel,\n   values per token, the newest tokens in full precision; KVQuant (arXiv:2401.18079) at 3 "
-          "bits, keys per channel\n   before RoPE, non-uniform levels. Both report nearly full-precision "
-          "quality on Llama-class models of dh = 128,\n   where a scale per group costs little, and on models "
-          "that already share K/V heads (GQA-8): both, at scale")
+        top, *others = sorted(best.values(), key=mean.get)
+        answer = [kind(*top)]
+        print(f"   1/{fraction} of MHA's {full} bytes a token, {budget}: the best is {kind(*top)}, {said(*top)}")
+        for option in others:
+            diffs = [losses[option][s] - losses[top][s] for s in losses[option] if s in losses[top]]
+            ci = interval(diffs)
+            if ci is None or ci[0] <= 0:
+                answer.append(kind(*option))
+            print(f"      {kind(*option) + ':':<13}{said(*option)}; minus the best {paired(diffs, digits=4)}")
+        for missing in sorted({"fewer heads", "fewer bits", "both"} - set(best)):
+            print(f"      {missing + ':':<13}none fits")
+        print(f"      answer: {' or '.join(answer)}" + (" (not resolved between them)" if len(answer) > 1 else ""))
+    print("   At scale, papers round the caches of models as they are: KIVI (arXiv:2402.02750) to 2 bits, keys "
+          "per channel,\n   values per token, the newest tokens in full precision; KVQuant (arXiv:2401.18079) to "
+          "3 bits, keys per channel\n   before RoPE, non-uniform levels. Both report nearly full-precision "
+          "quality on models of dh = 128, where a\n   scale per group costs little, among them models that "
+          "already share K/V heads: at scale, servers do both")
 
 
-def check_quantized_cache(model, data, bits=4):
+def check_quantized_cache(model, data, seed, bits=4):
     """A trained model decoding one validation window a character at a time, each block's mha.CausalMHA with
     a QuantizedKVCache, against the whole window at once with the same rounding; and the caches' bytes, read
     from their tensors, against cache_bytes_per_token. Prints the evidence; True if both hold."""
@@ -624,8 +629,8 @@ def check_quantized_cache(model, data, bits=4):
     diff = (steps - whole).abs().max().item()
     held, formula = sum(c.nbytes() for c in caches), CONTEXT * cache_bytes_per_token(N_HEADS, bits)
     ok = diff <= DECODE_TOLERANCE and held == formula
-    print(f"   {bits}-bit cache, MHA of seed 0: a character at a time against the whole window, max |logits "
-          f"difference| = {diff:.2e}\n   (tolerance {DECODE_TOLERANCE:.0e}); its tensors hold {held:,} bytes, the "
+    print(f"   The cache itself, {bits} bits, MHA of seed {seed}: a character at a time against the whole window, "
+          f"max |logits\n   difference| = {diff:.2e} (tolerance {DECODE_TOLERANCE:.0e}); its tensors hold {held:,} bytes, the "
           f"formula {CONTEXT} x {formula // CONTEXT} = {formula:,}   {'OK' if ok else 'FAIL'}")
     return ok
 
@@ -842,7 +847,11 @@ def train_everything(args, run):
     print_table_a(scratch, args.steps)
     curves, ablation = run_conversion(scratch, args.steps, run, args.seeds[:GQA_SEEDS])
     print_table_b(curves, scratch, args.steps)
-    return scratch, ablation, data
+    losses = run_fewer_bits(scratch, run)
+    print_table_e(losses)
+    ok = check_quantized_cache(scratch["MHA"][args.seeds[0]][0], data, args.seeds[0])
+    print_answer(losses)
+    return scratch, ablation, data, ok
 
 
 def main(argv=None):
@@ -860,7 +869,7 @@ def main(argv=None):
     start = time.perf_counter()
     try:
         with workers(total) as run:
-            scratch, ablation, data = train_everything(args, run)
+            scratch, ablation, data, ok = train_everything(args, run)
     except concurrent.futures.process.BrokenProcessPool:
         print("quality.py: error: a worker process stopped (killed, or out of memory?) before its models were "
               "trained; nothing was written", file=sys.stderr)
@@ -877,7 +886,7 @@ def main(argv=None):
     wall = time.perf_counter() - start
     print(f"time: {wall / 60:.1f} min (estimated {estimate / 60:.1f}), {WORKERS} worker{'s' * (WORKERS > 1)} of 1 "
           f"thread: {wall * WORKERS / total * 1e3:.0f} ms a training step in each, all else included")
-    return 0
+    return 0 if ok else 1
 
 
 # ----------------------------------------------------------------------------- plumbing (not the lesson)
