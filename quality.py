@@ -72,9 +72,9 @@ STEP_SECONDS = 0.02   # a step in each of 2 workers side by side (16 to 42 ms on
 OUT_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "figures")
 FIGURES = ("quality.png", "trained_attention_maps.png")
 BITS = (8, 4, 3, 2)   # E: the cache's numbers in these many bits, every model of A
-BUDGETS = (2, 4, 8)   # E's answer: the best option within 1/2, 1/4 and 1/8 of MHA's bf16 cache bytes
+BUDGETS = (2, 4, 8)   # E's answer: the best option within 1/2, 1/4 and 1/8 of MHA's bf16 bytes
 SCALE_BYTES = 2       # E: a bf16 scale per group of dh numbers
-DECODE_TOLERANCE = 1e-5   # E's check: a character at a time against the whole window (float32 rounding)
+DECODE_TOLERANCE = 1e-5   # E's check: a character at a time against a whole window (rounding)
 
 
 # ----------------------------------------------------------------------------- the data
@@ -143,8 +143,9 @@ class CharLM(nn.Module):
         nn.init.normal_(self.pos, 0.0, 0.02)
 
     def forward(self, x, need_weights=False, caches=None):
-        """x: (B, T) character ids -> logits (B, T, V), and with need_weights each layer's (B, h, T, T).
-        With caches, a K/V cache per block (E), x holds the characters after those cached."""
+        """x: (B, T) character ids -> logits (B, T, V), and with need_weights each layer's
+        (B, h, T, T). With caches, a K/V cache per block (E), x holds the characters after those
+        cached."""
         start = 0 if caches is None else caches[0].length  # where x's characters sit in the window
         h = self.embed(x) + self.pos[start:start + x.shape[1]]   # (B, T, d)
         maps = []
@@ -207,10 +208,11 @@ def fresh_models(vocab, seed):
 
 
 def cache_bytes_per_token(n_kv_heads, bits=None):
-    """KV-cache bytes one token adds: 2 (K and V) x layers x K/V heads x dh x bytes a number, 2 (bf16, as mha.py's
-    tables count; this model computes in float32). In fewer bits (E) a number takes bits / 8 bytes and its share
-    of its group's bf16 scale, 2 / dh: at 4 bits and dh = 8, 0.5 + 0.25 bytes, 6 bits a number, not 4.
-    cache_bytes_per_token(8) == 512, cache_bytes_per_token(8, 4) == 192"""
+    """KV-cache bytes one token adds: 2 (K and V) x layers x K/V heads x dh x bytes a number: 2,
+    bf16, as mha.py's tables count (this model computes in float32). In fewer bits (E) a number takes
+    bits / 8 bytes and its share of its group's bf16 scale, 2 / dh: at 4 bits and dh = 8,
+    0.5 + 0.25 bytes, 6 bits a number, not 4. cache_bytes_per_token(8) == 512,
+    cache_bytes_per_token(8, 4) == 192"""
     dh = D_MODEL // N_HEADS
     per_number = 2 if bits is None else bits / 8 + SCALE_BYTES / dh
     return round(mha.kv_cache_bytes(N_LAYERS, n_kv_heads, dh, 1, bytes_per_elem=per_number))
@@ -258,8 +260,8 @@ def train(model, opt, data, starts, schedule, evaluate_at=()):
 
 @torch.no_grad()
 def window_losses(model, data, bits=None):
-    """Validation bits/char of each of the EVAL_WINDOWS windows, (EVAL_WINDOWS,), 64 windows at a time; with
-    bits, every attention's K and V kept in a QuantizedKVCache of that many bits (E)."""
+    """Validation bits/char of each of the EVAL_WINDOWS windows, (EVAL_WINDOWS,), 64 windows at a
+    time; with bits, every attention's K and V kept in a QuantizedKVCache of that many bits (E)."""
     model.eval()
     logits = []
     for x in data.val_x.split(64):                         # (64, T) each
@@ -448,19 +450,20 @@ def print_table_b(curves, scratch, steps):
 
 
 # ----------------------------------------------------------------------------- E. fewer bits
-# The other way to a smaller cache: keep every K/V head, and store each cached number in fewer bits. A group of
-# numbers shares one scale s = max|x| / qmax, qmax = 2^(bits - 1) - 1; each number x is kept as the whole number
-# code = round(x / s), -qmax .. qmax, and comes back as code * s (symmetric, round to nearest). Here a group is
-# one head's dh = 8 keys (or values) of one token, and s is stored in bf16: 2 bytes shared by 8 numbers. By hand,
-# 4 bits (qmax = 7), the group [0.6, -1.75, 0.1, 0.3, 1.0, -0.4, 0.0, 0.9]: s = 1.75 / 7 = 0.25,
-#     x / s  = [2.4, -7, 0.4, 1.2, 4, -1.6, 0, 3.6]
-#     codes  = [2, -7, 0, 1, 4, -2, 0, 4]
-#     back   = [0.5, -1.75, 0.0, 0.25, 1.0, -0.5, 0.0, 1.0]       each within s / 2 = 0.125 of x
+# The other way to a smaller cache: keep every K/V head, store each cached number in fewer bits.
+# A group of numbers shares one scale s = max|x| / qmax, where qmax = 2^(bits - 1) - 1; each
+# number x is kept as the whole number code = round(x / s), from -qmax to qmax, and comes back as
+# code * s (symmetric, round to nearest). Here a group is one head's dh = 8 keys (or values) of one
+# token, and s is stored in bf16: 2 bytes shared by 8 numbers. By hand, at 4 bits (qmax = 7):
+#     x      = [0.6, -1.75, 0.1, 0.3, 1.0, -0.4, 0.0, 0.9]         s = 1.75 / 7 = 0.25
+#     x / s  = [2.4, -7,    0.4, 1.2, 4,   -1.6, 0,   3.6]
+#     codes  = [2,   -7,    0,   1,   4,   -2,   0,   4]
+#     back   = [0.5, -1.75, 0.0, 0.25, 1.0, -0.5, 0.0, 1.0]        each within s / 2 of x
 def quantize(x, bits):
-    """x: (..., G) -> codes (..., G), int8 in -qmax .. qmax, and scales (..., 1), bf16: one per group of G."""
+    """x: (..., G) -> codes (..., G), int8 from -qmax to qmax, and scales (..., 1), bf16."""
     qmax = 2 ** (bits - 1) - 1
-    scale = (x.abs().amax(-1, keepdim=True) / qmax).to(torch.bfloat16)   # (..., 1)
-    scale = scale.clamp_min(torch.finfo(torch.bfloat16).tiny)   # a group of zeros: codes 0, not 0 / 0
+    scale = (x.abs().amax(-1, keepdim=True) / qmax).to(torch.bfloat16)   # (..., 1): one per group
+    scale = scale.clamp_min(torch.finfo(torch.bfloat16).tiny)   # a group of zeros: codes 0, not 0/0
     # bf16 may round s down a little, so x / s can pass qmax by a hair: clamped.
     codes = torch.round(x / scale.to(x.dtype)).clamp(-qmax, qmax)
     return codes.to(torch.int8), scale
@@ -471,18 +474,19 @@ def dequantize(codes, scale, dtype):
     return codes.to(dtype) * scale.to(dtype)
 
 
-# Codes of fewer than 8 bits are packed: every 8 codes, shifted to 0 .. 2 qmax, lie side by side in `bits`
-# bytes, the first lowest. At 4 bits two codes make a byte: the codes above + 7 are [9, 0, 7, 8, 11, 5, 7, 11],
-# and the bytes [9 + 16 * 0, 7 + 16 * 8, 11 + 16 * 5, 7 + 16 * 11] = [9, 135, 91, 183].
+# Codes of fewer than 8 bits are packed: each 8 codes, shifted up by qmax to 0 .. 2 qmax, lie side
+# by side in `bits` bytes, the first lowest. At 4 bits, two codes a byte: the codes above + 7 are
+# [9, 0, 7, 8, 11, 5, 7, 11], so the bytes are [9 + 16 * 0, 7 + 16 * 8, 11 + 16 * 5, 7 + 16 * 11]
+# = [9, 135, 91, 183].
 def pack(codes, bits):
     """int8 codes (..., G), G a multiple of 8 -> uint8 (..., G * bits / 8)."""
-    u = codes.long() + 2 ** (bits - 1) - 1                 # (..., G): 0 .. 2 qmax, fits in bits
+    u = codes.long() + 2 ** (bits - 1) - 1                 # (..., G): 0 .. 2 qmax, within bits
     if bits == 8:
         return u.to(torch.uint8)                           # a code a byte
     u = u.unflatten(-1, (-1, 8))                           # (..., G) -> (..., G / 8, 8)
-    word = (u << (bits * torch.arange(8))).sum(-1)         # (..., G / 8): 8 codes in 8 * bits bits
+    word = (u << (bits * torch.arange(8))).sum(-1)         # (..., G / 8): 8 codes in 8 bits bits
     out = (word[..., None] >> (8 * torch.arange(bits))) & 255   # (..., G / 8, bits): its bytes
-    return out.to(torch.uint8).flatten(-2)                 # (..., G / 8, bits) -> (..., G * bits / 8)
+    return out.to(torch.uint8).flatten(-2)                 # -> (..., G * bits / 8)
 
 
 def unpack(packed, bits):
@@ -490,7 +494,7 @@ def unpack(packed, bits):
     if bits == 8:
         u = packed.long()                                  # (..., G)
     else:
-        b = packed.long().unflatten(-1, (-1, bits))        # (..., G * bits / 8) -> (..., G / 8, bits)
+        b = packed.long().unflatten(-1, (-1, bits))        # -> (..., G / 8, bits)
         word = (b << (8 * torch.arange(bits))).sum(-1)    # (..., G / 8)
         u = (word[..., None] >> (bits * torch.arange(8))) & (2 ** bits - 1)   # (..., G / 8, 8)
         u = u.flatten(-2)                                  # (..., G / 8, 8) -> (..., G)
@@ -498,25 +502,27 @@ def unpack(packed, bits):
 
 
 class QuantizedKVCache:
-    """A KV cache that keeps K and V in `bits` bits as tokens arrive: packed codes and a bf16 scale per group of dh
-    (one head of one token). mha.CausalMHA takes it as its cache: it reads shape (B, kv, max_len, dh), dtype,
-    device and length, and calls append(k, v), which returns every key and value so far, rounded, in dtype."""
+    """A KV cache that keeps K and V in `bits` bits as tokens arrive: packed codes, and a bf16 scale
+    per group of dh numbers (one head of one token). mha.CausalMHA takes it as its cache: forward
+    reads shape (B, kv, max_len, dh), dtype, device and length, and calls append(k, v)."""
 
     def __init__(self, batch, n_kv_heads, max_len, d_head, bits, dtype=torch.float32, device="cpu"):
-        check_bits(bits, d_head)                           # one sentence if they cannot work (plumbing)
+        check_bits(bits, d_head)                           # one sentence if they cannot work
         self.shape = (batch, n_kv_heads, max_len, d_head)  # (B, kv, max_len, dh): what it can hold
         self.bits, self.dtype, self.device, self.length = bits, dtype, torch.device(device), 0
-        codes = (batch, n_kv_heads, max_len, d_head * bits // 8)   # (B, kv, max_len, dh bits / 8) bytes
-        scales = (batch, n_kv_heads, max_len, 1)                   # (B, kv, max_len, 1): one per group
+        codes = (batch, n_kv_heads, max_len, d_head * bits // 8)   # (B, kv, max_len, dh bits / 8)
+        scales = (batch, n_kv_heads, max_len, 1)                   # (B, kv, max_len, 1)
         self.k_codes = torch.zeros(codes, dtype=torch.uint8, device=device)
         self.v_codes = torch.zeros(codes, dtype=torch.uint8, device=device)
         self.k_scales = torch.zeros(scales, dtype=torch.bfloat16, device=device)
         self.v_scales = torch.zeros(scales, dtype=torch.bfloat16, device=device)
 
     def append(self, k, v):
-        """Round k, v: (B, kv, T, dh) into positions length .. S - 1; return all S so far, (B, kv, S, dh)."""
-        S = self.length + k.shape[2]                       # tokens held after this call: cached + T new
-        for x, codes, scales in ((k, self.k_codes, self.k_scales), (v, self.v_codes, self.v_scales)):
+        """Round k, v: (B, kv, T, dh) into the next T positions; return all S so far, rounded,
+        (B, kv, S, dh) in dtype."""
+        S = self.length + k.shape[2]                       # tokens held after this call
+        stored = ((k, self.k_codes, self.k_scales), (v, self.v_codes, self.v_scales))
+        for x, codes, scales in stored:
             c, s = quantize(x, self.bits)                  # (B, kv, T, dh), (B, kv, T, 1)
             codes[:, :, self.length:S] = pack(c, self.bits)   # (B, kv, T, dh bits / 8)
             scales[:, :, self.length:S] = s
@@ -524,7 +530,7 @@ class QuantizedKVCache:
         return self.read(self.k_codes, self.k_scales), self.read(self.v_codes, self.v_scales)
 
     def read(self, codes, scales):
-        """The S tokens held, dequantized: (B, kv, S, dh) in the module's dtype."""
+        """The tokens held, back from their codes: (B, kv, S, dh) in dtype."""
         S = self.length
         return dequantize(unpack(codes[:, :, :S], self.bits), scales[:, :, :S], self.dtype)
 
@@ -535,23 +541,24 @@ class QuantizedKVCache:
 
 
 def quantized_caches(model, batch, bits):
-    """One empty QuantizedKVCache per block of model, room for a window, in the model's dtype and device."""
+    """An empty QuantizedKVCache for each block of model, room for a window, in its dtype."""
     like = {"dtype": model.readout.weight.dtype, "device": model.readout.weight.device}
-    return [QuantizedKVCache(batch, b.attn.n_kv_heads, CONTEXT, b.attn.d_head, bits, **like) for b in model.blocks]
+    return [QuantizedKVCache(batch, block.attn.n_kv_heads, CONTEXT, block.attn.d_head, bits, **like)
+            for block in model.blocks]
 
 
 def fewer_bits(model):
-    """In a worker: {bits: validation bits/char} of model with its K and V cached in each of BITS."""
+    """In a worker: {bits: validation bits/char} of model, its K and V cached in each of BITS."""
     return {bits: window_losses(model, WORKER["data"], bits).mean().item() for bits in BITS}
 
 
 def run_fewer_bits(scratch, run):
-    """Every model of A in each of BITS, on the workers: {(config, bits): {seed: bits/char}}, bits None for
-    the model as trained (A's own loss)."""
+    """Every model of A in each of BITS, on the workers: {(config, bits): {seed: bits/char}}; bits
+    None is the model as trained (A's own loss)."""
     tasks = [(name, seed) for name in CONFIGS for seed in scratch[name]]
-    done = run("E. fewer bits", [(fewer_bits, (scratch[name][seed][0],), 0) for name, seed in tasks])
+    calls = [(fewer_bits, (scratch[name][seed][0],), 0) for name, seed in tasks]
     losses = {(name, bits): {} for name in CONFIGS for bits in (None, *BITS)}
-    for (name, seed), by_bits in zip(tasks, done):
+    for (name, seed), by_bits in zip(tasks, run("E. fewer bits", calls)):
         losses[name, None][seed] = scratch[name][seed][1]
         for bits, loss in by_bits.items():
             losses[name, bits][seed] = loss
@@ -559,7 +566,7 @@ def run_fewer_bits(scratch, run):
 
 
 def kind(name, bits):
-    """How an option shrinks MHA's cache: 'fewer heads', 'fewer bits', 'both' (or 'neither': MHA as trained)."""
+    """How an option shrinks MHA's cache: 'fewer heads', 'fewer bits', 'both' or 'neither'."""
     heads = CONFIGS[name] < N_HEADS
     if bits is None:
         return "fewer heads" if heads else "neither"
@@ -567,71 +574,80 @@ def kind(name, bits):
 
 
 def print_table_e(losses):
-    print("\nE. Fewer bits: every model of A with its cached K and V rounded to n bits, kept by a QuantizedKVCache"
-          "\n   (symmetric, round to nearest, one bf16 scale per group of dh = 8 numbers: a head's keys, or "
-          "values, of one\n   token), minus the same model as trained, paired by seed [95% interval over "
-          "seeds]. Bytes a token: 2 (K and V)\n   x layers x K/V heads x dh x (bits / 8 + 2 / dh), codes "
-          "and their scales; as trained ('full'): 2 bytes a number,\n   bf16, as mha.py's tables count "
-          "(the models compute in float32)")
-    print(f"   {'config':<7}{'K/V heads':>10}{'bits':>6}{'KV bytes/token':>16}{'seeds':>7}{'mean':>8}"
-          f"   {'minus full [95% interval]'}")
+    print("\nE. Fewer bits: every model of A with its cached K and V rounded to n bits by a "
+          "QuantizedKVCache (symmetric,\n   round to nearest, one bf16 scale per group of dh = 8 "
+          "numbers: a head's keys, or values, of one token),\n   minus the same model as trained, "
+          "paired by seed [95% interval over seeds]. Bytes a token: 2 (K and V)\n   x layers x K/V "
+          "heads x dh x (bits / 8 + 2 / dh), codes and their scales; as trained ('full'): 2 bytes "
+          "a\n   number (bf16), as mha.py's tables count, though these models compute in float32")
+    print(f"   {'config':<7}{'K/V heads':>10}{'bits':>6}{'KV bytes/token':>16}{'seeds':>7}"
+          f"{'mean':>8}   minus full [95% interval]")
     for (name, bits), by_seed in losses.items():
-        full = losses[name, None]
+        full, kv = losses[name, None], CONFIGS[name]
         gap = "" if bits is None else paired([by_seed[s] - full[s] for s in by_seed], digits=4)
-        print(f"   {name:<7}{CONFIGS[name]:>10}{bits or 'full':>6}{cache_bytes_per_token(CONFIGS[name], bits):>16,}"
+        print(f"   {name:<7}{kv:>10}{bits or 'full':>6}{cache_bytes_per_token(kv, bits):>16,}"
               f"{len(by_seed):>7}{statistics.mean(by_seed.values()):>8.3f}   {gap}".rstrip())
 
 
 def print_answer(losses):
-    """At each fraction of MHA's bytes in BUDGETS, the lowest mean loss of each kind that fits, each against the
-    best of all, paired over the seeds both trained on; the answer: the best and every kind not resolved from it."""
-    full, mean = cache_bytes_per_token(N_HEADS), {o: statistics.mean(v.values()) for o, v in losses.items()}
+    """At each fraction of MHA's bytes in BUDGETS: the lowest mean loss of each kind that fits, each
+    against the best, paired over the seeds both trained on; the answer is the best and every kind
+    not resolved from it."""
+    full = cache_bytes_per_token(N_HEADS)
+    mean = {option: statistics.mean(by_seed.values()) for option, by_seed in losses.items()}
 
     def said(name, bits):
         how = "as trained" if bits is None else f"in {bits} bits"
-        return f"{name} {how} ({cache_bytes_per_token(CONFIGS[name], bits)} bytes), {mean[name, bits]:.3f}"
+        size = cache_bytes_per_token(CONFIGS[name], bits)
+        return f"{name} {how} ({size} bytes), {mean[name, bits]:.3f}"
 
-    print("\n   The answer at equal bytes: the lowest mean loss of each kind that fits, minus the best, paired over "
-          "the seeds\n   both ran [95% interval]; the answer is the best and every kind not resolved from it")
+    print("\n   The answer at equal bytes: the lowest mean loss of each kind that fits, minus "
+          "the best, paired over\n   the seeds both ran [95% interval]; the answer is the best and "
+          "every kind not resolved from it")
     for fraction in BUDGETS:
         budget, best = full // fraction, {}
         for name, bits in sorted(losses, key=mean.get):
             if cache_bytes_per_token(CONFIGS[name], bits) <= budget:
-                best.setdefault(kind(name, bits), (name, bits))
+                best.setdefault(kind(name, bits), (name, bits))   # the first of each kind: its best
         top, *others = sorted(best.values(), key=mean.get)
         answer = [kind(*top)]
-        print(f"   1/{fraction} of MHA's {full} bytes a token, {budget}: the best is {kind(*top)}, {said(*top)}")
+        print(f"   1/{fraction} of MHA's {full} bytes a token, {budget}: the best is {kind(*top)}, "
+              f"{said(*top)}")
         for option in others:
             diffs = [losses[option][s] - losses[top][s] for s in losses[option] if s in losses[top]]
             ci = interval(diffs)
             if ci is None or ci[0] <= 0:
                 answer.append(kind(*option))
-            print(f"      {kind(*option) + ':':<13}{said(*option)}; minus the best {paired(diffs, digits=4)}")
+            print(f"      {kind(*option) + ':':<13}{said(*option)}; minus the best "
+                  f"{paired(diffs, digits=4)}")
         for missing in sorted({"fewer heads", "fewer bits", "both"} - set(best)):
             print(f"      {missing + ':':<13}none fits")
-        print(f"      answer: {' or '.join(answer)}" + (" (not resolved between them)" if len(answer) > 1 else ""))
-    print("   At scale, papers round the caches of models as they are: KIVI (arXiv:2402.02750) to 2 bits, keys "
-          "per channel,\n   values per token, the newest tokens in full precision; KVQuant (arXiv:2401.18079) to "
-          "3 bits, keys per channel\n   before RoPE, non-uniform levels. Both report nearly full-precision "
-          "quality on models of dh = 128, where a\n   scale per group costs little, among them models that "
-          "already share K/V heads: at scale, servers do both")
+        tie = " (not resolved between them)" if len(answer) > 1 else ""
+        print(f"      answer: {' or '.join(answer)}{tie}")
+    print("   At scale, papers round the caches of models as they are: KIVI (arXiv:2402.02750) "
+          "to 2 bits, keys\n   per channel, values per token, the newest tokens in full precision; "
+          "KVQuant\n   (arXiv:2401.18079) to 3 bits, keys per channel before RoPE, non-uniform "
+          "levels. Both report\n   nearly full-precision quality on models of dh = 128, where a scale "
+          "per group costs little,\n   among them models that already share K/V heads: at scale, "
+          "servers do both")
 
 
 def check_quantized_cache(model, data, seed, bits=4):
-    """A trained model decoding one validation window a character at a time, each block's mha.CausalMHA with
-    a QuantizedKVCache, against the whole window at once with the same rounding; and the caches' bytes, read
-    from their tensors, against cache_bytes_per_token. Prints the evidence; True if both hold."""
+    """A trained model decoding one validation window a character at a time, each block's
+    mha.CausalMHA with a QuantizedKVCache, against the whole window at once with the same rounding;
+    and the caches' bytes, read from their tensors, against the formula. Prints the evidence."""
     x = data.val_x[:1]                                     # (1, T)
     with torch.no_grad():
         whole = model(x, caches=quantized_caches(model, 1, bits))   # (1, T, V)
         caches = quantized_caches(model, 1, bits)
-        steps = torch.cat([model(x[:, t:t + 1], caches=caches) for t in range(CONTEXT)], dim=1)   # (1, T, V)
-    diff = (steps - whole).abs().max().item()
+        steps = [model(x[:, t:t + 1], caches=caches) for t in range(CONTEXT)]   # each (1, 1, V)
+    diff = (torch.cat(steps, dim=1) - whole).abs().max().item()
     held, formula = sum(c.nbytes() for c in caches), CONTEXT * cache_bytes_per_token(N_HEADS, bits)
     ok = diff <= DECODE_TOLERANCE and held == formula
-    print(f"   The cache itself, {bits} bits, MHA of seed {seed}: a character at a time against the whole window, "
-          f"max |logits\n   difference| = {diff:.2e} (tolerance {DECODE_TOLERANCE:.0e}); its tensors hold {held:,} bytes, the "
-          f"formula {CONTEXT} x {formula // CONTEXT} = {formula:,}   {'OK' if ok else 'FAIL'}")
+    print(f"   The cache itself, {bits} bits, the MHA of seed {seed}: a character at a time "
+          f"against the whole window,\n   max |logits difference| = {diff:.2e} (tolerance "
+          f"{DECODE_TOLERANCE:.0e}); its tensors hold {held:,} bytes, the formula\n   "
+          f"{CONTEXT} tokens x {formula // CONTEXT} = {formula:,}   {'OK' if ok else 'FAIL'}")
     return ok
 
 
@@ -926,11 +942,11 @@ def workers(total):
 
 
 def check_bits(bits, d_head):
-    """QuantizedKVCache's sizes: 2 to 8 bits, and dh a multiple of 8, as pack takes codes 8 at a time."""
+    """QuantizedKVCache's sizes: 2 to 8 bits; dh a multiple of 8 (pack takes codes 8 at a time)."""
     if bits not in range(2, 9):
         raise ValueError(f"bits={bits!r} must be a whole number from 2 to 8")
     if d_head % 8:
-        raise ValueError(f"d_head={d_head} must be a multiple of 8: the codes are packed 8 at a time")
+        raise ValueError(f"d_head={d_head} must be a multiple of 8: codes are packed 8 at a time")
 
 
 def parse_args(argv=None):
