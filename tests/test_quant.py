@@ -40,7 +40,7 @@ def test_the_quantizer_is_pytorchs_symmetric_one_with_a_scale_per_group(bits):
     assert codes.dtype == torch.int8 and codes.abs().max() <= qmax
     assert scale.shape == (3, 5, 7, 1)
     back = quality.dequantize(codes, scale, torch.float32)
-    rows, s = x.reshape(-1, 8), scale.float().reshape(-1)                    # (groups, 8), (groups,)
+    rows, s = x.reshape(-1, 8), scale.float().reshape(-1)  # (groups, 8), (groups,)
     zero = torch.zeros_like(s, dtype=torch.int32)
     theirs = torch.fake_quantize_per_channel_affine(rows, s, zero, 0, -qmax, qmax)
     assert torch.equal(back.reshape(-1, 8), theirs)
@@ -150,7 +150,7 @@ def test_the_printed_check_says_ok_and_fails_on_a_count_without_scales(capsys, m
     assert "FAIL" in capsys.readouterr().out
 
 
-# ----------------------------------------------------------------------------- table E and the answer
+# ----------------------------------------------------------------------------- table E, the answer
 def made_up_losses():
     """{(config, bits): {seed: loss}}: MHA and MQA on seeds 0-4, the GQAs on 0-2; 8, 4, 3 and 2 bits
     cost 0.0001, 0.05, 0.2 and 1.3; the seeds' losses rise by 0.001 a seed, MHA's by 0.011."""
