@@ -23,7 +23,7 @@ def test_the_worked_example_in_the_comment_by_hand():
     codes, scale = quality.quantize(x, 4)
     assert scale.dtype == torch.bfloat16 and scale.item() == 0.25            # 1.75 / 7
     assert codes.tolist() == [2, -7, 0, 1, 4, -2, 0, 4]
-    back = quality.dequantize(codes, scale, torch.float32)
+    back = codes.float() * scale.float()
     assert back.tolist() == [0.5, -1.75, 0.0, 0.25, 1.0, -0.5, 0.0, 1.0]
     assert quality.pack(codes, 4).tolist() == [9, 135, 91, 183]              # two codes a byte
 
@@ -39,7 +39,7 @@ def test_the_quantizer_is_pytorchs_symmetric_one_with_a_scale_per_group(bits):
     qmax = 2 ** (bits - 1) - 1
     assert codes.dtype == torch.int8 and codes.abs().max() <= qmax
     assert scale.shape == (3, 5, 7, 1)
-    back = quality.dequantize(codes, scale, torch.float32)
+    back = codes.float() * scale.float()
     rows, s = x.reshape(-1, 8), scale.float().reshape(-1)  # (groups, 8), (groups,)
     zero = torch.zeros_like(s, dtype=torch.int32)
     theirs = torch.fake_quantize_per_channel_affine(rows, s, zero, 0, -qmax, qmax)
@@ -78,9 +78,9 @@ def test_its_bytes_read_from_its_tensors_equal_the_formula_int4_packed():
             formula = 2 * quality.CONTEXT * quality.cache_bytes_per_token(kv, bits)   # B = 2
             assert held == formula, (name, bits)
             if bits == 4:
-                assert caches[0].k_codes.shape == (2, kv, quality.CONTEXT, 4)
-                assert caches[0].k_codes.dtype == torch.uint8
-                assert caches[0].v_scales.dtype == torch.bfloat16
+                assert caches[0].codes.shape == (2, 2, kv, quality.CONTEXT, 4)   # K and V, B = 2
+                assert caches[0].codes.dtype == torch.uint8
+                assert caches[0].scales.dtype == torch.bfloat16
 
 
 @pytest.mark.parametrize("bits", [8, 4, 3, 2])
@@ -96,8 +96,7 @@ def test_appending_a_token_at_a_time_stores_what_appending_all_at_once_does(bits
     assert [t.shape for t in back] == [(2, KV, T, DH)] * 2 and chunks.length == T
     for a, b in zip(back, whole.append(k, v)):
         assert torch.equal(a, b)
-    for name in ("k_codes", "v_codes", "k_scales", "v_scales"):
-        assert torch.equal(getattr(chunks, name), getattr(whole, name)), name
+    assert torch.equal(chunks.codes, whole.codes) and torch.equal(chunks.scales, whole.scales)
     assert (back[0] - k).abs().max() > 0                   # rounded, not kept
 
 
@@ -132,8 +131,8 @@ def test_causal_mha_refuses_a_quantized_cache_that_does_not_match():
             gqa_module(D, H, KV)(x, cache=cache(4, max_len=T - 1))
 
 
-@pytest.mark.parametrize("bits, d_head, words", [(1, 8, "bits=1 must be"), (16, 8, "from 2 to 8"),
-                                                 (4, 12, "d_head=12 must be a multiple of 8")])
+@pytest.mark.parametrize("bits, d_head, words", [(1, 8, "bits=1 must be"), (16, 8, "must be 2 to 8"),
+                                                 (3, 12, "d_head=12 x bits a multiple of 8")])
 def test_sizes_that_cannot_work_are_one_sentence(bits, d_head, words):
     with pytest.raises(ValueError, match=words):
         quality.QuantizedKVCache(1, 1, 4, d_head, bits)
@@ -145,7 +144,8 @@ def test_the_printed_check_says_ok_and_fails_on_a_count_without_scales(capsys, m
     model = quality.CharLM(len(data.chars), quality.N_HEADS)
     assert quality.check_quantized_cache(model, data, 0, 4)
     assert "OK" in capsys.readouterr().out
-    monkeypatch.setattr(quality, "SCALE_BYTES", 0)         # codes alone: the tensors hold more
+    codes_alone = lambda kv, bits=None: 2 * quality.N_LAYERS * kv * 8 * bits // 8
+    monkeypatch.setattr(quality, "cache_bytes_per_token", codes_alone)   # the scales forgotten
     assert not quality.check_quantized_cache(model, data, 0, 4)
     assert "FAIL" in capsys.readouterr().out
 
