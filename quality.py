@@ -73,7 +73,7 @@ OUT_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "figures")
 FIGURE = "quality.png"
 BITS = (8, 4, 3, 2)   # E: the cache's numbers in these many bits, every model of A
 BUDGETS = (2, 4, 8)   # E's answer: the best option within 1/2, 1/4 and 1/8 of MHA's bf16 bytes
-DECODE_TOLERANCE = 1e-5   # E's check: a character at a time against a whole window (rounding)
+DECODE_TOLERANCE = 1e-4   # E's check: float32 rounding of logits about 10 in size, two layers deep
 
 
 # ----------------------------------------------------------------------------- the data

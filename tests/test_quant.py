@@ -6,6 +6,7 @@ import pytest
 import torch
 from conftest import gqa_module
 
+import mha
 import quality
 
 D, H, KV, T = 64, 8, 2, 12                                 # quality.py's width, GQA-2: dh = 8
@@ -103,7 +104,7 @@ def test_appending_a_token_at_a_time_stores_what_appending_all_at_once_does(bits
 @pytest.mark.parametrize("bits", [4, 2])
 def test_decoding_through_causal_mha_equals_the_whole_forward_with_the_same_rounding(bits):
     """mha.CausalMHA takes the cache as it is: chunks of 6, 2, then 1 token against all 12 at once,
-    both rounded, within DECODE_TOLERANCE; and the rounding is real: far from the forward without
+    both rounded, within mha.py's TOLERANCE; and the rounding is real: far from the forward without
     a cache. (The projections of one token and of twelve may differ in their last bit, and a number
     that close to a code boundary rounds the other way: at 8 bits, 3 of 150 random modules.)"""
     attn = gqa_module(D, H, KV)
@@ -115,7 +116,7 @@ def test_decoding_through_causal_mha_equals_the_whole_forward_with_the_same_roun
             for n in (6, 2, 1, 1, 1, 1):
                 steps.append(attn(x[:, start:start + n], cache=held, fused=fused))
                 start += n
-            assert (torch.cat(steps, dim=1) - whole).abs().max() <= quality.DECODE_TOLERANCE
+            assert (torch.cat(steps, dim=1) - whole).abs().max() <= mha.TOLERANCE   # 2e-6
     assert (whole - plain).abs().max() > 1e-2
 
 
