@@ -2,11 +2,13 @@
 that score the curve, the greedy order and the answer on known numbers, table C's shares on made-up
 attention, and table D's pieces (silencing a head, blocks, coverage)."""
 
+import os
 import re
 import types
 
 import pytest
 import torch
+from conftest import ROOT, run_main
 
 import heads
 import quality
@@ -39,39 +41,54 @@ def test_a_tiny_run_prints_c_d_and_the_curve_and_writes_two_pngs(data, tmp_path,
     assert "of 16 heads have a story by these four kinds of key" in table_c
     assert len(head_lines(table_d)) == 16 and all("[" in line for line in head_lines(table_d))
     assert "t-interval over 8 blocks of 8" in table_d and "of 32 cases" in table_d   # 16 heads x 2
-    steps = [s for s in map(str.split, curve.splitlines()) if len(s) > 2 and s[0].isdigit() and s[1].isdigit()]
-    assert [int(s[0]) for s in steps] == list(range(17)) and [int(s[1]) for s in steps] == list(range(16, -1, -1))
-    assert sorted(s[2] for s in steps[1:]) == sorted(f"{i}.{j}" for i, j in heads.HEADS)   # each once
+    rows = [line.split() for line in curve.splitlines()]
+    steps = [s for s in rows if len(s) > 2 and (s[0] + s[1]).isdigit()]
+    assert [int(s[0]) for s in steps] == list(range(17))
+    assert [int(s[1]) for s in steps] == list(range(16, -1, -1))
+    assert sorted(s[2] for s in steps[1:]) == sorted(f"{i}.{j}" for i, j in heads.HEADS)   # once
     assert "heads can go before the loss rises by more than 0.02 bits/char" in curve
     for name in heads.FIGURES:
         assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
-    small = quality.Data(quality.load_text())                                    # 64 windows, as main's
+    small = quality.Data(quality.load_text())                          # 64 windows, as main's
     torch.manual_seed(0)
     model = quality.CharLM(len(small.chars), quality.N_HEADS)
-    loss = quality.train(model, quality.optimizer(model), small, small.batches(0, 10), quality.lr_at, {10})
+    opt = quality.optimizer(model)
+    loss = quality.train(model, opt, small, small.batches(0, 10), quality.lr_at, {10})
     assert f"trained: validation loss {loss[10]:.3f} bits/char" in out
 
 
 def test_a_bad_flag_or_folder_is_one_line_and_exit_2(tmp_path, capsys):
     (tmp_path / "a_file").write_text("not a folder")
-    for argv, words in [(["--steps", "0"], "--steps 0 must be at least 1"),
-                        (["--out-dir", str(tmp_path / "a_file" / "figures")], "cannot be made: Not a directory")]:
-        with pytest.raises(SystemExit) as e:
-            heads.main(argv)
-        err = capsys.readouterr().err
-        assert e.value.code == 2 and err.startswith("heads.py: error: ") and err.count("\n") == 1, err
-        assert words in err, err
+    bad_folder = str(tmp_path / "a_file" / "figures")
+    for argv, words in [(["--steps", "0"], "heads.py: error: --steps 0 must be at least 1\n"),
+                        (["--out-dir", bad_folder], "cannot be made: Not a directory\n")]:
+        code, out, err = run_main(heads.main, argv, capsys)
+        assert (code, out) == (2, "") and err.endswith(words) and err.count("\n") == 1, err
 
+
+
+def test_the_readmes_heads_numbers_are_those_of_the_run_the_lab_notes_quote():
+    with open(os.path.join(ROOT, "LABNOTES.md")) as f:
+        run = f.read().split("## heads.py")[1].split("```text\n")[1].split("```")[0]
+    with open(os.path.join(ROOT, "README.md")) as f:
+        chapter = " ".join(f.read().split("**What trained heads do")[1].split("![")[0].split())
+    told, holds = re.search(r"(\d+) of 16 heads have a story .*interpret' (holds here|does not "
+                            r"hold here)", run).groups()
+    gone, rise = re.search(r"(\d+) of 16 heads can go before the loss rises by more than (\S+) "
+                           r"bits", run).groups()
+    assert f"{told} of the 16 heads give half their attention" in chapter
+    assert f"\"most heads are hard to interpret\" {holds}" in chapter
+    assert f"{gone} of 16 can go before the loss rises by more than {rise} bits per" in chapter
 
 # ------------------------------------------------------------ the pruning curve
 def positions(starts, offset):
-    """Every character a window reads (its inputs and its targets), as positions in the whole text."""
+    """Every character a window reads (inputs and targets), as positions in the whole text."""
     return {int(s) + offset + i for s in starts for i in range(quality.CONTEXT + 1)}
 
 
-def test_the_windows_that_order_the_heads_are_disjoint_from_those_that_score_the_curve(data, monkeypatch):
-    """pruning_curve orders the heads on the windows prune_order is given and scores on those it passes
-    to window_losses itself: no character of the one set is in the other."""
+def test_the_windows_that_order_the_heads_are_disjoint_from_those_that_score(data, monkeypatch):
+    """pruning_curve orders the heads on the windows prune_order is given and scores on those it
+    passes to window_losses itself: no character of the one set is in the other."""
     seen, scored, real = {}, [], quality.window_losses
 
     def order_on(model, x, y):
@@ -87,7 +104,8 @@ def test_the_windows_that_order_the_heads_are_disjoint_from_those_that_score_the
     torch.manual_seed(0)
     heads.pruning_curve(quality.CharLM(len(data.chars), quality.N_HEADS), data)
     starts, x, y = heads.rank_windows(data)
-    assert torch.equal(seen["x"], x) and torch.equal(seen["y"], y) and len(scored) == 18   # base, k = 0..16
+    assert torch.equal(seen["x"], x) and torch.equal(seen["y"], y)
+    assert len(scored) == 18                                                  # base, k = 0 .. 16
     assert all(torch.equal(sx, data.val_x) and torch.equal(sy, data.val_y) for sx, sy in scored)
     assert torch.equal(data.val_x, quality.windows(data.val, data.val_starts)[0])
     ranked, scoring_chars = positions(starts, 0), positions(data.val_starts, len(data.train))
@@ -137,21 +155,21 @@ def test_can_go_counts_the_heads_before_an_interval_reaches_above_the_allowed_ri
 
 # ------------------------------------------------------------ C. what each head favours
 def test_head_shares_known_answer(data):
-    """A model whose head 0 looks only at the previous character and the others only at themselves."""
+    """A model whose head 0 looks only at the previous character, the others only at themselves."""
     T, h = quality.CONTEXT, quality.N_HEADS
 
     class Fake(torch.nn.Module):
         def forward(self, x, need_weights=False):
             p = torch.zeros(len(x), h, T, T)
             p[:, :, 0, 0] = 1.0
-            p[:, 0, torch.arange(1, T), torch.arange(T - 1)] = 1.0               # previous character
-            p[:, 1:, torch.arange(1, T), torch.arange(1, T)] = 1.0               # itself
+            p[:, 0, torch.arange(1, T), torch.arange(T - 1)] = 1.0       # previous character
+            p[:, 1:, torch.arange(1, T), torch.arange(1, T)] = 1.0       # itself
             return None, [p]
 
     shares, chance = heads.head_shares(Fake(), data)
-    assert shares["previous"][0, 0].item() == pytest.approx(1.0) and shares["itself"][0, 0].item() == 0.0
-    assert shares["itself"][0, 1].item() == pytest.approx(1.0) and shares["previous"][0, 1].item() == 0.0
-    level = sum(1 / (i + 1) for i in range(1, T)) / (T - 1)       # uniform: 1/(i+1) on the previous key
+    assert shares["previous"][0, 0].item() == pytest.approx(1.0) and shares["itself"][0, 0] == 0.0
+    assert shares["itself"][0, 1].item() == pytest.approx(1.0) and shares["previous"][0, 1] == 0.0
+    level = sum(1 / (i + 1) for i in range(1, T)) / (T - 1)       # uniform: 1/(i+1) on each key
     assert chance["previous"] == pytest.approx(level) and chance["itself"] == pytest.approx(level)
     assert heads.favourite(shares, chance, (0, 0)) == ("previous", pytest.approx(1 / level))
     assert heads.story(shares, (0, 0)) == "previous" and heads.story(shares, (0, 1)) == "itself"
@@ -166,13 +184,14 @@ def test_head_shares_finds_word_starts_and_a_story_needs_half_the_attention():
     class Fake(torch.nn.Module):
         def forward(self, x, need_weights=False):
             p = torch.zeros(1, quality.N_HEADS, 5, 5)                       # (N, h, T, T)
-            p[0, 0, torch.arange(5), torch.tensor([0, 0, 0, 3, 3])] = 1.0   # head 0: each word's start
-            p[0, 1:, torch.arange(5), torch.tensor([0, 0, 2, 2, 2])] = 1.0  # the others: the space
+            p[0, 0, torch.arange(5), torch.tensor([0, 0, 0, 3, 3])] = 1.0   # each word's start
+            p[0, 1:, torch.arange(5), torch.tensor([0, 0, 2, 2, 2])] = 1.0  # the space
             return None, [p]
 
     shares, _ = heads.head_shares(Fake(), data)
     assert shares["word start"][0, 0].item() == pytest.approx(1.0)
-    assert shares["word start"][0, 1].item() == pytest.approx(0.25) and shares["whitespace"][0, 1] == 0.75
+    assert shares["word start"][0, 1].item() == pytest.approx(0.25)
+    assert shares["whitespace"][0, 1] == 0.75
     assert heads.story(shares, (0, 1)) == "whitespace"
     assert shares["previous"][0, 1].item() == pytest.approx(0.5)              # rows 1 and 3
     shares["whitespace"][0, 1] = shares["previous"][0, 1] = 0.49             # under half: no story
@@ -186,7 +205,7 @@ def test_zeroing_a_head_is_removing_its_slice_from_out_proj_input():
     torch.manual_seed(0)
     model = quality.CharLM(50, quality.N_HEADS)
     dh = quality.D_MODEL // quality.N_HEADS
-    o = torch.randn(3, quality.CONTEXT, quality.D_MODEL)                   # (..., h dh): side by side
+    o = torch.randn(3, quality.CONTEXT, quality.D_MODEL)                   # (..., h dh)
     for layer, head in [(0, 0), (1, 5), (1, quality.N_HEADS - 1)]:
         attn = model.blocks[layer].attn
         keep = [c for c in range(quality.D_MODEL) if not head * dh <= c < (head + 1) * dh]
@@ -202,7 +221,8 @@ def test_intervals_are_over_blocks_of_consecutive_windows():
     slow wave): the interval over the blocks is wider than one taking the windows as independent."""
     assert heads.block_means(torch.arange(256.0)) == [32 * k + 15.5 for k in range(8)]
     wave = torch.sin(torch.arange(256.0) / 8)
-    blocked, independent = quality.interval(heads.block_means(wave)), quality.interval(wave.tolist())
+    blocked = quality.interval(heads.block_means(wave))
+    independent = quality.interval(wave.tolist())
     widths = [high - low for low, high in (blocked, independent)]
     assert widths[0] > 2 * widths[1]
 
@@ -224,9 +244,11 @@ def test_table_d_prints_each_heads_interval_over_its_blocks_and_ranks_by_its_ris
     blocks = torch.tensor([0.1, 0.3, 0.2, 0.4, 0.3, 0.5, 0.2, 0.4])             # 8 block means
     alone = {hd: blocks.repeat_interleave(32) * (k + 1) for k, hd in enumerate(heads.HEADS)}
     shares = {kind: torch.ones(quality.N_LAYERS, quality.N_HEADS) for kind in heads.KINDS}
-    heads.print_table_d(torch.full((256,), 2.0), alone, shares, dict.fromkeys(shares, 0.1), 100, 128)
+    chance = dict.fromkeys(shares, 0.1)
+    heads.print_table_d(torch.full((256,), 2.0), alone, shares, chance, 100, 128)
     out = capsys.readouterr().out
     found = [re.search(r"(\S+ \[.+?\])\s+(\d+)   ", line).groups() for line in head_lines(out)]
-    assert [ci for ci, _ in found] == [quality.paired((blocks * (k + 1)).tolist()) for k in range(16)]
-    assert [int(rank) for _, rank in found] == list(range(16, 0, -1))           # the largest ranks 1
+    expected = [quality.paired((blocks * (k + 1)).tolist()) for k in range(16)]
+    assert [ci for ci, _ in found] == expected
+    assert [int(rank) for _, rank in found] == list(range(16, 0, -1))       # the largest ranks 1
     assert "in 100 of 128 cases (78%)" in out
