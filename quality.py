@@ -529,8 +529,10 @@ def run_fewer_bits(scratch, data, run):
 
 def kind(name, bits):
     """How an option shrinks MHA's cache: fewer K/V heads, fewer bits than bf16's 16, or both."""
-    fewer_heads, fewer_bits = CONFIGS[name] < N_HEADS, bits is not None
-    return ("neither", "fewer bits", "fewer heads", "both")[2 * fewer_heads + fewer_bits]
+    fewer_heads = CONFIGS[name] < N_HEADS
+    if bits is None:
+        return "fewer heads" if fewer_heads else "neither"
+    return "both" if fewer_heads else "fewer bits"
 
 
 def print_table_e(losses):
@@ -553,11 +555,9 @@ def print_answer(losses):
     against the best, paired over the seeds both trained on; the answer."""
     full = cache_bytes_per_token(N_HEADS)
     mean = {option: statistics.mean(by_seed.values()) for option, by_seed in losses.items()}
-
     said = {(name, bits): f"{name} {'as trained' if bits is None else f'in {bits} bits'} "
             f"({cache_bytes_per_token(CONFIGS[name], bits)} bytes), {mean[name, bits]:.3f}"
             for name, bits in losses}
-
     print("\n   The answer at equal bytes: each kind's lowest mean loss that fits, minus the best, "
           "paired over the seeds\n   both ran [95% interval]; the answer: the best and each kind not "
           "resolved from it")
