@@ -4,9 +4,9 @@ What the heads of one trained multi-head attention model look at, and how many o
 quality.py asks what sharing K/V heads costs; this chapter opens one of its models instead. It
 trains the MHA of quality.py's table A, seed 0 (its model, data and recipe, imported: on one thread,
 the same model to the bit) and tests three things said of trained heads:
-  C. "A head does one thing": each head's mean attention on four kinds of key (the previous
-     character, itself, whitespace, the start of its word) against what uniform causal attention
-     puts there, and how many heads give at least half of their attention to one kind: a story.
+  C. "Most heads are hard to interpret": each head's mean attention on four kinds of key (the
+     previous character, itself, whitespace, the start of its word) against what uniform causal
+     attention puts there, and how many heads give at least half of it to one kind: a story.
   D. "Not every head matters" (Michel, Levy and Neubig 2019): the validation loss with one head
      silenced, with intervals over blocks of consecutive windows, whose coverage the run measures.
   The pruning curve: heads silenced one after another, least needed first, the loss against the
