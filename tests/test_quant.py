@@ -2,9 +2,12 @@
 quantized cache's bytes against the formula, decoding through mha.CausalMHA with it, and the answer
 on made-up losses."""
 
+import os
+import re
+
 import pytest
 import torch
-from conftest import gqa_module
+from conftest import ROOT, gqa_module
 
 import mha
 import quality
@@ -197,3 +200,22 @@ def test_an_unresolved_difference_is_part_of_the_answer(capsys):
     quality.print_answer(losses)
     half = capsys.readouterr().out.split("1/")[1]
     assert "answer: fewer heads or both (not resolved between them)" in half
+
+
+def test_the_readmes_answer_is_that_of_the_run_the_lab_notes_quote():
+    """The README's numbers for table E are those LABNOTES quotes from a default run."""
+    with open(os.path.join(ROOT, "LABNOTES.md")) as f:
+        run = f.read().split("## Fewer bits: table E")[1].split("```text\n")[1].split("```")[0]
+    with open(os.path.join(ROOT, "README.md")) as f:
+        readme = " ".join(f.read().split("Or fewer bits: table E")[1].split("![")[0].split())
+    number = r"([+-]\d\.\d{4}) \[([+-]\d\.\d{4}), ([+-]\d\.\d{4})\]"
+    half = re.search(r"fewer bits: +MHA in 4 bits .* minus the best " + number, run).groups()
+    quarter = re.search(r"fewer bits: +MHA in 2 bits .* minus the best " + number, run).groups()
+    assert "MHA in 4 bits not resolved from it ({} [{}, {}])".format(*half) in readme
+    assert "MHA needs 2 bits, {:+.2f} [{:+.2f}, {:+.2f}] behind GQA-2".format(*map(float, quarter)) in readme
+    eight = [float(g) for g in re.findall(r" 8 bits \(\d+ bytes\), [\d.]+; minus the best ([+-][\d.]+)", run)]
+    eight += [float(g) for g in re.findall(r"\n   \S+ +\d +8 +\d+ +\d +[\d.]+ +([+-][\d.]+)", run)]
+    assert len(eight) == 5 and max(eight) <= 0.001 and "8 bits on top cost at most +0.001" in readme
+    answers = re.findall(r"\n      answer: (.*)", run)
+    assert len(answers) == 3 and answers[2] == "fewer heads"   # 1/2, 1/4, 1/8 of MHA's bytes
+    assert all(a.startswith("fewer heads") for a in answers) and "At this scale, fewer heads" in readme
