@@ -1,5 +1,5 @@
 """
-What a smaller KV cache costs in quality, fewer K/V heads (GQA, MQA) or fewer bits, measured on real text.
+What a smaller KV cache costs in quality, by fewer K/V heads (GQA, MQA) or fewer bits, on real text.
 
 mha.py measures what sharing K/V heads saves; this file measures what it costs. It trains a tiny character-level
 language model built around mha.CausalMHA on Python's own documentation (pydoc_data.topics, no download) and
@@ -10,16 +10,16 @@ What the heads of one such trained model do, and how many it needs, is heads.py'
      at the pilot's point estimate (seeds 10 to 15), about 75 % over its uncertainty; GQA-4 and GQA-2 on 3.
   B. Conversion (Ainslie et al. 2023): each trained MHA of those 3 seeds becomes GQA/MQA by pooling its K/V heads
      and trains on as A would have gone on, for 5 % more steps (20 % for mean pooling), beside the MHA resumed alike.
-  E. Fewer bits: every model of A with its cached K and V in 8, 4, 3 and 2 bits (a QuantizedKVCache, which
-     mha.CausalMHA takes as its cache), and the answer at 1/2, 1/4, 1/8 of MHA's bytes: heads, bits or both?
+  E. Fewer bits: every model of A, its cached K and V in 8, 4, 3 and 2 bits (a QuantizedKVCache,
+     which mha.CausalMHA takes as it is); at 1/2, 1/4, 1/8 of MHA's bytes, heads, bits or both?
 It does not claim the cost at scale (d=64, two layers, minutes of training); no dropout, GPU, tokenizer.
 
 Run it:   python quality.py           (6 minutes on 2 quiet cores, up to 13 on a slow or busy machine; writes figures/)
           python quality.py --quick   (half a minute: a smoke run for trying an edit; it resolves nothing)
 
 Papers: Vaswani et al. 2017, arXiv:1706.03762; Shazeer 2019 (MQA), arXiv:1911.02150; Ainslie et al. 2023 (GQA),
-arXiv:2305.13245; KIVI (Liu et al. 2024), arXiv:2402.02750; KVQuant (Hooper et al. 2024), arXiv:2401.18079.
-Shapes, the alphabet of mha.py: B batch, T characters in a window, d model width, h query heads, kv K/V heads,
+arXiv:2305.13245; KIVI (Liu et al. 2024), 2402.02750; KVQuant (Hooper et al. 2024), 2401.18079.
+Shapes, as in mha.py: B batch, T characters in a window, d model width, h query heads, kv K/V heads,
 dh = d / h head width, V distinct characters (the vocabulary).
 """
 
@@ -141,7 +141,7 @@ class CharLM(nn.Module):
 
     def forward(self, x, need_weights=False, caches=None):
         """x: (B, T) character ids -> logits (B, T, V), and with need_weights each layer's
-        (B, h, T, T). With caches (a K/V cache per block, E), x comes after the cached characters."""
+        (B, h, T, T). With caches (a K/V cache per block, E), x follows the cached characters."""
         start = 0 if caches is None else caches[0].length  # where x's characters sit in the window
         h = self.embed(x) + self.pos[start:start + x.shape[1]]   # (B, T, d)
         maps = []
@@ -204,8 +204,8 @@ def fresh_models(vocab, seed):
 
 
 def cache_bytes_per_token(n_kv_heads, bits=None):
-    """KV-cache bytes a token adds: 2 (K and V) x layers x K/V heads x dh x 2 bytes a number (bf16, as
-    mha.py counts; this model computes in float32). In n bits (E), n / 8 bytes and a share of the
+    """KV-cache bytes a token adds: 2 (K and V) x layers x K/V heads x dh x 2 bytes a number (bf16,
+    as mha.py counts; this model computes in float32). In n bits (E), n / 8 bytes and a share of the
     group's bf16 scale, 2 / dh: at 4 bits, 0.5 + 0.25 bytes. cache_bytes_per_token(8, 4) == 192"""
     dh = D_MODEL // N_HEADS
     per_number = 2 if bits is None else bits / 8 + 2 / dh   # codes, and a bf16 scale per dh
@@ -255,7 +255,7 @@ def train(model, opt, data, starts, schedule, evaluate_at=()):
 @torch.no_grad()
 def window_losses(model, x, y, bits=None):
     """Bits/char of each window, (N,): inputs x (N, T) against next characters y (N, T), 64 windows
-    at a time; with bits, every attention's K and V kept in a QuantizedKVCache of that many bits (E)."""
+    at a time; with bits, every attention's K and V kept in a QuantizedKVCache of n bits (E)."""
     model.eval()
     logits = torch.cat([model(chunk, caches=quantized_caches(model, len(chunk), bits))
                         for chunk in x.split(64)])         # (N, T, V)
@@ -481,8 +481,8 @@ def unpack(packed, bits):
 
 
 class QuantizedKVCache:
-    """K and V in `bits` bits as tokens arrive: packed codes, a bf16 scale per head and token. CausalMHA
-    takes it as its cache: forward reads shape (B, kv, max_len, dh), dtype, device, length, append."""
+    """K and V in `bits` bits as tokens arrive: packed codes, a bf16 scale per head and token.
+    CausalMHA takes it as its cache: forward asks shape, dtype, device, length and append."""
 
     def __init__(self, batch, n_kv_heads, max_len, d_head, bits, dtype=torch.float32, device="cpu"):
         check_bits(bits, d_head)                           # one sentence if they cannot work
@@ -493,7 +493,7 @@ class QuantizedKVCache:
         self.scales = torch.zeros((*size, 1), dtype=torch.bfloat16, device=device)   # bf16 s
 
     def append(self, k, v):
-        """Round k, v: (B, kv, T, dh) into the next T places; return all S so far, (B, kv, S, dh)."""
+        """Round k, v: (B, kv, T, dh) into the next T places; return all S held, (B, kv, S, dh)."""
         S = self.length + k.shape[2]                       # tokens held after this call
         codes, scales = quantize(torch.stack([k, v]), self.bits)   # (2, B, kv, T, dh), (.., 1)
         self.codes[:, :, :, self.length:S] = pack(codes, self.bits)   # (2, B, kv, T, dh bits / 8)
@@ -512,12 +512,13 @@ def quantized_caches(model, batch, bits):
     """An empty QuantizedKVCache for each block of model, room for a window; None for bits None."""
     like = {"dtype": model.readout.weight.dtype, "device": model.readout.weight.device}
     return None if bits is None else [QuantizedKVCache(batch, b.attn.n_kv_heads, CONTEXT,
-                                                       b.attn.d_head, bits, **like) for b in model.blocks]
+                                                       b.attn.d_head, bits, **like)
+                                      for b in model.blocks]
 
 
 def run_fewer_bits(scratch, data, run):
     """{(config, bits): {seed: validation bits/char}}, bits None: as trained (A's own loss)."""
-    losses = {(name, bits): {s: done.loss for s, done in scratch[name].items()} if bits is None else {}
+    losses = {(name, bits): {s: a.loss for s, a in scratch[name].items()} if bits is None else {}
               for name in CONFIGS for bits in (None, *BITS)}
     tasks = [(name, seed, bits) for name in CONFIGS for seed in scratch[name] for bits in BITS]
     calls = [(window_losses, (scratch[name][seed].model, data.val_x, data.val_y, bits), 0)
@@ -537,10 +538,10 @@ def kind(name, bits):
 
 def print_table_e(losses):
     mean = {option: statistics.mean(by_seed.values()) for option, by_seed in losses.items()}
-    print("\nE. Fewer bits: every model of A, its cached K and V rounded to n bits (a bf16 scale per "
-          "head and token),\n   minus the same model as trained, paired by seed [95% interval over "
-          "seeds]. Bytes a token: 2 (K and V)\n   x layers x K/V heads x dh x (n / 8 + 2 / dh), codes "
-          "and scales; as trained ('full'), 2 bytes a number")
+    print("\nE. Fewer bits: every model of A, its cached K and V rounded to n bits (a bf16 scale "
+          "per head and token),\n   minus the same model as trained, paired by seed [95% interval "
+          "over seeds]. Bytes a token: 2 (K and V)\n   x layers x K/V heads x dh x (n / 8 + 2 / "
+          "dh), codes and scales; as trained ('full'), 2 bytes a number")
     print(f"   {'config':<7}{'K/V heads':>10}{'bits':>6}{'KV bytes/token':>16}{'seeds':>7}"
           f"{'mean':>8}   minus full [95% interval]")
     for (name, bits), by_seed in losses.items():
@@ -551,16 +552,15 @@ def print_table_e(losses):
 
 
 def print_answer(losses):
-    """At each fraction of MHA's bytes in BUDGETS: the lowest mean loss of each kind that fits, each
-    against the best, paired over the seeds both trained on; the answer."""
+    """Within each fraction of MHA's bytes in BUDGETS, each kind's best against the best of all."""
     full = cache_bytes_per_token(N_HEADS)
     mean = {option: statistics.mean(by_seed.values()) for option, by_seed in losses.items()}
     said = {(name, bits): f"{name} {'as trained' if bits is None else f'in {bits} bits'} "
             f"({cache_bytes_per_token(CONFIGS[name], bits)} bytes), {mean[name, bits]:.3f}"
             for name, bits in losses}
     print("\n   The answer at equal bytes: each kind's lowest mean loss that fits, minus the best, "
-          "paired over the seeds\n   both ran [95% interval]; the answer: the best and each kind not "
-          "resolved from it")
+          "paired over the\n   seeds both ran [95% interval]; the answer: the best and each kind "
+          "not resolved from it")
     for fraction in BUDGETS:
         budget, best = full // fraction, {}
         for name, bits in sorted(losses, key=mean.get):
@@ -581,14 +581,13 @@ def print_answer(losses):
             print(f"      {missing + ':':<13}none fits")
         tie = " (not resolved between them)" if len(answer) > 1 else ""
         print(f"      answer: {' or '.join(answer)}{tie}")
-    print("   At scale, KIVI (2 bits) and KVQuant (3 bits) report nearly full-precision quality on "
-          "models of dh = 128\n   (a scale per group costs little), GQA models among them: at scale, "
-          "both")
+    print("   At scale, KIVI (2 bits) and KVQuant (3 bits) report nearly full-precision quality "
+          "on models of\n   dh = 128 (a scale per group costs little), GQA models among them: at "
+          "scale, both")
 
 
 def check_quantized_cache(model, data, seed, bits=4):
-    """One validation window a character at a time through QuantizedKVCaches, against the whole
-    window with the same rounding; their bytes against the formula."""
+    """A window a character at a time through QuantizedKVCaches, against all at once; bytes."""
     x, caches = data.val_x[:1], quantized_caches(model, 1, bits)   # x: (1, T)
     with torch.no_grad():
         whole = model(x, caches=quantized_caches(model, 1, bits))   # (1, T, V)
@@ -596,9 +595,10 @@ def check_quantized_cache(model, data, seed, bits=4):
     diff, held = (steps - whole).abs().max().item(), sum(c.nbytes() for c in caches)
     per_token = cache_bytes_per_token(N_HEADS, bits)       # the formula
     ok = diff <= DECODE_TOLERANCE and held == CONTEXT * per_token
-    print(f"   The cache itself, {bits} bits, MHA seed {seed}, a character at a time against the whole "
-          f"window:\n   max |logits difference| = {diff:.2e} (tolerance {DECODE_TOLERANCE:.0e}); tensors "
-          f"{held:,} bytes, formula {CONTEXT} x {per_token}  {'OK' if ok else 'FAIL'}")
+    print(f"   The cache itself, {bits} bits, MHA seed {seed}, a character at a time against the "
+          f"whole window:\n   max |logits difference| = {diff:.2e} (tolerance "
+          f"{DECODE_TOLERANCE:.0e}); tensors {held:,} bytes, formula {CONTEXT} x {per_token}  "
+          f"{'OK' if ok else 'FAIL'}")
     return ok
 
 
@@ -613,16 +613,16 @@ def plot_quality(scratch, steps, losses):
     fig = Figure(figsize=(8, 5.5))
     ax = fig.subplots()
     mean = {option: statistics.mean(by_seed.values()) for option, by_seed in losses.items()}
-    top = max(mean[option] for option in mean if option[1] != min(BITS)) + 0.05   # 2 bits: off
+    top = max(mean[option] for option in mean if (option[1] or 16) >= 4) + 0.04   # 3, 2 bits: off
     for name, kv in CONFIGS.items():
         plot_point(ax, name, cache_bytes_per_token(kv), [run.loss for run in scratch[name].values()])
         xs = [cache_bytes_per_token(kv, bits) for bits in (None, *BITS)]
-        ax.plot(xs, [min(mean[name, bits], top) for bits in (None, *BITS)], color=COLORS[name], lw=0.8)
+        ax.plot(xs, [min(mean[name, b], top) for b in (None, *BITS)], color=COLORS[name], lw=0.8)
         for bits, x in zip(BITS, xs[1:]):
-            y, off = mean[name, bits], mean[name, bits] > top   # off the scale: a triangle at the top
+            y, off = mean[name, bits], mean[name, bits] > top   # off the scale: a triangle on top
             ax.plot([x], [min(y, top)], "^" if off else "s", color=COLORS[name], ms=6)
-            ax.annotate(f"{bits}" + (f": {y:.2f}" if off else ""), (x, min(y, top)), size=8,
-                        xytext=(5, -4) if off else (-4, 5), textcoords="offset points")
+            ax.annotate(f"{bits}", (x, min(y, top)), size=8, xytext=(-3, -12 if off else 5),
+                        textcoords="offset points")
     for fraction in BUDGETS:                               # dotted: 1/2, 1/4, 1/8 of MHA's bytes
         ax.axvline(cache_bytes_per_token(N_HEADS) / fraction, color="gray", ls=":", lw=1)
     ax.set_xscale("log", base=2)
@@ -631,11 +631,11 @@ def plot_quality(scratch, steps, losses):
     ax.minorticks_off()
     ax.set_ylim(top=top + 0.01)
     ax.set(xlabel="KV cache per token (bytes; n bits: codes and scales)", ylabel="loss (bits/char)")
-    ax.set_title(f"What a smaller KV cache costs: a char-level LM on pydoc_data.topics, d={D_MODEL}, "
-                 f"{N_HEADS} query heads, {N_LAYERS} layers,\nT={CONTEXT}, {steps} steps from scratch. "
-                 "Circles: as trained (bars: the mean's 95% interval, dots: seeds,\ntheir number in "
-                 "brackets); squares: K and V cached in n bits (the number), mean over seeds;\ndotted: "
-                 "1/2, 1/4 and 1/8 of MHA's bytes (bf16 = 2 bytes a number)", fontsize=9)
+    ax.set_title(f"What a smaller KV cache costs: char-level LM, pydoc_data.topics, d={D_MODEL}, "
+                 f"{N_HEADS} query heads, {N_LAYERS} layers,\nT={CONTEXT}, {steps} steps. Circles: "
+                 "as trained (bars: the mean's 95% interval; dots: seeds, counted in brackets);\n"
+                 "squares: K and V in n bits (the number), mean over seeds, triangles above the "
+                 "top; dotted: 1/2, 1/4, 1/8 of MHA", fontsize=9)
     fig.tight_layout()
     return fig
 
@@ -760,8 +760,8 @@ def workers(total):
 def check_bits(bits, d_head):
     """QuantizedKVCache's sizes: 2 to 8 bits, and a head's codes in whole bytes."""
     if bits not in range(2, 9) or d_head * bits % 8:
-        raise ValueError(f"bits={bits!r} must be 2 to 8, and d_head={d_head} x bits a multiple of 8 "
-                         "(a head's codes fill whole bytes)")
+        raise ValueError(f"bits={bits!r} must be 2 to 8, and d_head={d_head} x bits a multiple of "
+                         "8 (a head's codes fill whole bytes)")
 
 
 def parse_args(argv=None):
