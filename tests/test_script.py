@@ -152,7 +152,7 @@ def test_try_two_kv_heads(tmp_path, capsys):
 
 
 def test_try_swapping_two_heads(tmp_path, capsys):
-    m = edited_copy("copy, gqa = from_torch(ref)", "copy, gqa = swap_query_heads(from_torch(ref), 2, 3)", tmp_path)
+    m = edited_copy("copy = from_torch(ref)", "copy = swap_query_heads(from_torch(ref), 2, 3)", tmp_path)
     assert not m.check_against_torch(4, 0)
     status = results(capsys.readouterr().out)
     assert [status[k] for k in status if k.startswith("MHA ")] == ["FAIL"] * 3
@@ -200,7 +200,7 @@ def test_the_readmes_tensor_table_is_what_forward_makes(monkeypatch):
         y = mha.demo_module(kv, 0)(torch.randn(1, T, mha.D_MODEL))
     table = readme().split("The demo's tensors")[1].split("```text\n")[1].split("```")[0]
     rows = dict(re.match(r"(.+?)\s+(\([\d, ]+\))", line).groups() for line in table.splitlines())
-    q_grouped, scores = seen["bngte,bnse->bngts"]
+    q_grouped, scores = seen["bnite,bnse->bnits"]
     assert rows == {"x": str((1, T, mha.D_MODEL)), "q": str((1, h, T, dh)), "k, v": str((1, kv, T, dh)),
                     "q in attend_grouped": str(q_grouped), "scores, p": str(scores), "y": str(tuple(y.shape))}
 
