@@ -37,7 +37,7 @@ OUT_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "figures")
 LLAMA_LAYERS, LLAMA_HEADS, LLAMA_D_HEAD = 32, 32, 128
 LLAMA_KV_HEADS = (32, 8, 4, 1)    # MHA, GQA-8, GQA-4, MQA
 CACHE_TOKENS = 4096               # tokens in each cache
-CACHE_BYTES_PER_ELEM = 2          # bytes per cached number: 2 for 16-bit numbers
+CACHE_BYTES_PER_ELEM = 2          # bytes per cached number (16-bit)
 GPU_CACHE_GB = 40                 # GPU memory for caches, GB (1 GB = 1e9 bytes)
 
 
@@ -61,9 +61,9 @@ def attend_one_head(q, k, v):
     """softmax(q k^T / sqrt(dh) + causal mask) v for one head of one sequence; returns o and p.
 
     q: (T, dh), the queries of the T newest tokens; k, v: (S, dh), the keys and values of all S
-    tokens so far, the newest last. Why / sqrt(dh): a score sums dh products. If q's and k's
-    numbers are random with variance 1, so is each product, and the sum has variance dh. Dividing by
-    sqrt(dh) brings it back to 1, so the softmax does not give one key nearly all the weight.
+    tokens so far, the newest last. Why / sqrt(dh): a score sums dh products; with numbers of
+    variance 1 in q and k, each product has variance 1 and the sum dh, so dividing by sqrt(dh)
+    brings it back to 1.
     """
     T, dh, S = q.shape[-2], q.shape[-1], k.shape[-2]
     scores = q @ k.transpose(-2, -1) / math.sqrt(dh)       # (T, dh) @ (dh, S) -> (T, S)
@@ -126,7 +126,8 @@ def attend_grouped(q, k, v):
         scores = scores + causal_mask(T, S, q.dtype)       # (T, S) for every b, n, i
     p = scores.softmax(dim=-1)                             # (B, kv, g, T, S)
     o = torch.einsum("bnits,bnse->bnite", p, v)            # (B, kv, g, T, dh)
-    return o.view(B, h, T, dh), p.view(B, h, T, S)         # query head n*g + i at index n*g + i
+    # einsum returns o and p in one piece, so view can merge (kv, g) back into h: head n*g + i.
+    return o.view(B, h, T, dh), p.view(B, h, T, S)
 
 
 # ------------------------------------------------------------------ the module, and its cache
@@ -141,8 +142,7 @@ class KVCache:
     v: torch.Tensor
     length: int = 0
 
-    # forward asks a cache for these three, `length` and `append`: another kind of cache (one that
-    # keeps its numbers in fewer bits, say) works with CausalMHA if it answers the same five.
+    # forward asks a cache only for these three, `length` and `append`.
     @property
     def shape(self):
         return tuple(self.k.shape)                         # (B, kv, max_len, dh)
@@ -214,7 +214,7 @@ class CausalMHA(nn.Module):
         else:
             o, p = attend_grouped(q, k, v)                 # (B, h, T, dh), (B, h, T, S)
         # transpose moves no number, only how the tensor is walked: a token's heads still lie apart
-        # in memory, so merging them into one dimension needs reshape, which copies (view refuses).
+        # in memory, so merging them needs reshape, which copies when it must (view refuses).
         o = o.transpose(1, 2).reshape(B, T, h * dh)        # (B, h, T, dh) -> (B, T, d)
         y = self.out_proj(o)                               # (B, T, d): one matrix mixes the heads
         return (y, p) if need_weights else y
@@ -227,9 +227,9 @@ class CausalMHA(nn.Module):
 
 
 # ------------------------------------------------------------------ the KV cache, in bytes
-# The weights are paid once per copy of a model, the cache once per request. A 7B model's weights
-# are 13.5 GB in 16-bit numbers, its MHA cache at 4096 tokens 2.15 GB: from the seventh request on,
-# the caches outweigh the weights. Sharing each K/V head among g query heads fits g times more.
+# The weights are paid once per copy of a model, the cache once per request, in every layer: with
+# many requests the caches outweigh the weights. Sharing each K/V head among g query heads fits g
+# times more requests.
 def kv_cache_bytes(n_layers, n_kv_heads, d_head, seq_len, batch=1, bytes_per_elem=2):
     """2 (K and V) x layers x K/V heads x dh x tokens x batch x bytes per number.
 
@@ -256,8 +256,8 @@ def check_against_torch(n_kv_heads, seed):
     no wrong reshape could: written out against its need_weights=True path, fused against False.
     """
     T = len(SENTENCE.split())
-    print(f"\n4. Against PyTorch, one sequence of {T} tokens, fp32: max |ours - theirs|, theirs "
-          "for\n   GQA/MQA an nn.MHA with each K/V head repeated for its query heads (to_torch)")
+    print(f"\n4. Against PyTorch on one sequence of {T} tokens, fp32: max |ours - theirs|; for "
+          "GQA/MQA\n   theirs repeats each K/V head for its query heads (to_torch)")
     torch.manual_seed(seed)
     ref = random_biases(nn.MultiheadAttention(D_MODEL, N_HEADS, batch_first=True).eval())
     x = torch.randn(1, T, D_MODEL)                         # (B=1, T, d)
@@ -282,7 +282,7 @@ def check_against_torch(n_kv_heads, seed):
 
 
 # ------------------------------------------------------------------ main
-# What main() calls that is not above (the other checks, printing, figures, flags) comes after it.
+# The other checks, the printing, the figures and the flags come after main().
 def main(argv=None):
     args = parse_args(argv)        # a bad flag or --out-dir ends here, in one line (exit code 2)
     kv = args.n_kv_heads
@@ -445,7 +445,7 @@ def print_cache_tables():
     mha_bytes = cache_bytes(LLAMA_LAYERS, LLAMA_HEADS, LLAMA_D_HEAD)
     print(f"   GB = 1e9 bytes: MHA's {mha_bytes:,} bytes are {mha_bytes / 1e9:.2f} GB "
           f"but {mha_bytes / 2**30:.2f} GiB")
-    print("   shrink = h / kv = g, query heads per K/V head; GQA-N is named by its N K/V heads")
+    print("   shrink = h / kv = g; GQA-N has N K/V heads")
     print(f"   {'config':<8}{'n_kv_heads':>11}{'KV cache':>11}{'shrink':>8}")
     for kv in LLAMA_KV_HEADS:
         n = cache_bytes(LLAMA_LAYERS, kv, LLAMA_D_HEAD)

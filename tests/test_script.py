@@ -216,3 +216,9 @@ def test_the_readmes_quality_numbers_are_those_of_the_run_the_lab_notes_quote():
     five, twenty = [[round(float(gaps[kind][i]), 2) for kind in ("GQA-4", "MQA")] for i in (0, 1)]
     assert "ends GQA-4 {:+.2f} and MQA {:+.2f} behind".format(*five) in chapter
     assert "20 % more, {:+.2f} and {:+.2f}".format(*twenty) in chapter
+
+
+def test_bench_help_says_what_it_measures_and_runs_nothing():
+    r = run_script(os.path.join(ROOT, "bench.py"), "--help")
+    assert r.returncode == 0 and r.stdout.startswith("usage: bench.py"), r.stderr
+    assert "as ratios measured side by side" in r.stdout and "1. forward" not in r.stdout
