@@ -29,12 +29,14 @@ def test_roofline_takes_the_slower_of_reading_and_computing():
 
 
 def fake_timing(read_rate=40e9, flop_rate=160e9, contexts=(512, 1024, 8192), slower=1.5):
-    """A Timing as a quiet machine would give it: every K and V read at read_rate, every step `slower` x its floor."""
+    """A Timing as a quiet machine would give it: every K and V read at read_rate, every step
+    `slower` x its floor, its parts at the longest context 0.4, 0.1 and 0.4 of the step."""
     kv_heads = (32, 8, 4, 1)
     reads = {kv: [decode.decode_bytes(kv, 128, S) / read_rate for S in contexts] for kv in kv_heads}
-    timing = decode.Timing(contexts, {}, reads, {kv: 0.07 for kv in kv_heads}, {kv: 0.004 for kv in kv_heads},
-                           flop_rate, rounds=3)
+    textbook, fused = {kv: 0.07 for kv in kv_heads}, {kv: 0.004 for kv in kv_heads}
+    timing = decode.Timing(contexts, {}, reads, textbook, fused, {}, flop_rate, rounds=3)
     timing.steps = {kv: [slower * timing.floor(kv, S)[0] for S in contexts] for kv in kv_heads}
+    timing.parts = {kv: [share * row[-1] for share in (0.4, 0.1, 0.4)] for kv, row in timing.steps.items()}
     return timing
 
 
@@ -114,6 +116,20 @@ def test_each_timed_call_gets_its_own_configuration_s_cache_and_context(monkeypa
     assert timed == 2 * one_round
     assert timing.contexts == (16, 32) and list(timing.steps) == list(timing.reads) == [32, 1]
     assert all(len(row) == 2 and min(row) > 0 for row in [*timing.steps.values(), *timing.reads.values()])
+    assert list(timing.parts) == [32, 1] and all(len(row) == 3 and min(row) > 0 for row in timing.parts.values())
+
+
+@pytest.mark.parametrize("kv", [32, 4, 1])
+def test_the_parts_timed_are_the_step_s_own(kv):
+    """Each part's arguments are what the part before it returns, and the last part returns
+    mha.attend_grouped's output to the bit: the same operations on the same shapes."""
+    q, k, v = torch.randn(1, 32, 1, 128), torch.randn(1, kv, 300, 128), torch.randn(1, kv, 300, 128)
+    (qk, scores_of, args), (softmax, softmax_of, (scores, dim)), (pv, values_of, (spec, p, v_in)) = \
+        decode.step_parts(q, k, v)
+    assert [qk, softmax, pv] == ["q k^T", "softmax", "p v"] and dim == -1 and v_in is v
+    assert torch.equal(scores_of(*args), scores) and torch.equal(softmax_of(scores, dim), p)
+    o, weights = mha.attend_grouped(q, k, v)
+    assert torch.equal(values_of(spec, p, v).reshape(o.shape), o) and torch.equal(p.reshape(weights.shape), weights)
 
 
 # ----------------------------------------------------------------------------- the script
@@ -159,6 +175,7 @@ def test_the_printed_floors_speed_ups_and_ratios_are_the_roofline_s(capsys):
     timing = fake_timing(read_rate=40e9, flop_rate=120e9, slower=2.0)     # ridge 3: GQA-4 and MQA compute-bound
     decode.print_steps(timing)
     decode.print_longest(timing, [])
+    decode.print_parts(timing)
     decode.print_copy_trap(timing)
     out = capsys.readouterr().out
     shares = [line.split()[2::2] for line in out.splitlines() if line.endswith("%)")]
@@ -171,6 +188,15 @@ def test_the_printed_floors_speed_ups_and_ratios_are_the_roofline_s(capsys):
         assert (bound, float(floor)) == (want[1], pytest.approx(want[0] * 1e3, abs=1e-3))
         assert float(step) == pytest.approx(2 * want[0] * 1e3, abs=1e-3) and reaches == "50%"
         assert speedup == allowed == f"{268435456 / 40e9 / want[0]:.1f}x"   # all 2x their floors: ratio of floors
+    parts = {line.split()[0]: line.split()[1:] for line in out.splitlines() if len(line.split()) == 9}
+    for kind, kv in [("MHA", 32), ("GQA-8", 8), ("GQA-4", 4), ("MQA", 1)]:
+        step = 2 * decode.roofline(134217728, decode.decode_bytes(kv, 128, 8192), 40e9, 120e9)[0]
+        qk, qk_flops, qk_read, softmax, pv, pv_flops, pv_read, share = parts[kind]
+        assert (float(qk), float(softmax), float(pv)) == pytest.approx((0.4e3 * step, 0.1e3 * step, 0.4e3 * step),
+                                                                       abs=1e-3)
+        assert qk_flops == pv_flops == f"{67108864 / (0.4 * step) / 1e9:.0f}"          # 2 h S dh per product
+        assert qk_read == pv_read == f"{kv * 8192 * 128 * 4 / (0.4 * step) / 1e9:.0f}"  # K, or V, of kv heads
+        assert share == "0.90"
     ratio = f"{268435456 / 40e9 / (134217728 / 120e9):.1f}x"              # MHA's floor / MQA's
     assert f"MQA reads 32x fewer bytes than MHA and is {ratio} faster; its floor allows {ratio}." in out
     mqa = 2e3 * 134217728 / 120e9                                         # ms: twice its compute floor
