@@ -7,15 +7,17 @@ Llama-7B-shaped layer, on this CPU.
     cache to do little arithmetic with it: the step waits on memory. GQA and MQA keep fewer K/V
     heads, so they read fewer bytes a step.
   - The roofline (Williams et al. 2009) turns that into a floor, max(bytes / read rate, FLOPs /
-    FLOP rate), with both rates measured on this machine beside the steps. The run times
-    mha.attend_grouped for MHA, GQA-8, GQA-4 and MQA at 256 to 8192 cached tokens, prints each step
-    against its floor and each speed-up over MHA against the ratio of their floors, then times the
-    step's three parts alone, to show where a step with few K/V heads spends its time;
-    figures/decode_time.png draws the steps.
+    FLOP rate), a FLOP being one multiply or add of two floating-point numbers, with both rates
+    measured on this machine beside the steps. The run times mha.attend_grouped for MHA, GQA-8,
+    GQA-4 and MQA at 256 to 8192 cached tokens, prints each step against its floor and each
+    speed-up over MHA against the ratio of their floors, then times the step's three parts alone,
+    to show where a step with few K/V heads spends its time; figures/decode_time.png draws the
+    steps.
   - The copy trap, side by side: the textbook step copies each K/V head to its g query heads
     before reading it, mha.attend_grouped reads it once, and PyTorch's fused call does the same in
     one call.
-  - On a GPU (an H100) every configuration is memory-bound: worked out from its datasheet.
+  - On a GPU (NVIDIA's H100), where models run in bf16 (2-byte numbers, defined below), every
+    configuration is memory-bound: worked out from its datasheet.
   - A machine busy with other programs gives timings that contradict each other: the run says
     NOT TRUSTWORTHY.
 Not here: the rest of a layer (projections, MLP: they read the weights, the same for every
@@ -53,7 +55,7 @@ OUT_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "figures")
 # ------------------------------------------------------------------ the roofline
 # A decode step (T = 1) of one layer: each of the h query heads scores S cached keys,
 # (1, dh) @ (dh, S), then averages S values with its weights, (1, S) @ (S, dh): S dh multiply-adds
-# each, 2 FLOPs apiece (a FLOP is one floating-point multiply or add). So
+# each, 2 FLOPs apiece. So
 #     FLOPs = 4 h S dh    on    bytes = 2 kv S dh x 4    (K and V of kv heads, fp32: 4 bytes each)
 # A machine reads at most so many bytes a second and does at most so many FLOPs a second, so a step
 # takes at least
