@@ -306,9 +306,10 @@ def print_parts(timing):
     rate in FLOPs and in bytes of K or V read, the softmax's time, and the parts' sum against the
     step."""
     h, dh, S = mha.LLAMA_HEADS, mha.LLAMA_D_HEAD, max(timing.contexts)
-    print(f"\nThe step's parts at {S} tokens, each timed alone, ms: q k^T and p v are products "
-          "of g query rows a K/V head,\nagainst the square matmul's "
-          f"{timing.flop_rate / 1e9:.0f} GFLOP/s; the softmax is over h x S scores whatever kv is")
+    print(f"\nThe step's parts at {S} tokens, timed alone, ms: q k^T and p v, products of g query "
+          "rows a K/V head, each with\nits GFLOP/s (the square matmul's: "
+          f"{timing.flop_rate / 1e9:.0f}) and its GB/s of K or V read; the softmax, over h x S "
+          "scores whatever kv is")
     print(f"{'config':<7}{'q k^T':>8}{'GFLOP/s':>9}{'GB/s':>6}{'softmax':>9}{'p v':>8}"
           f"{'GFLOP/s':>9}{'GB/s':>6}{'parts / step':>14}")
     flops = 2 * h * S * dh                                 # of one product
