@@ -130,11 +130,11 @@ def step_parts(q, k, v):
     B, h, T, dh = q.shape
     kv = k.shape[1]
     q = q.view(B, kv, h // kv, T, dh) * math.sqrt(1.0 / dh)     # (B, kv, g, T, dh)
-    scores = torch.einsum("bngte,bnse->bngts", q, k)            # (B, kv, g, T, S)
+    scores = torch.einsum("bnite,bnse->bnits", q, k)            # (B, kv, g, T, S)
     p = scores.softmax(dim=-1)                                  # (B, kv, g, T, S)
-    return [("q k^T", torch.einsum, ("bngte,bnse->bngts", q, k)),
+    return [("q k^T", torch.einsum, ("bnite,bnse->bnits", q, k)),
             ("softmax", torch.softmax, (scores, -1)),
-            ("p v", torch.einsum, ("bngts,bnse->bngte", p, v))]     # (B, kv, g, T, dh)
+            ("p v", torch.einsum, ("bnits,bnse->bnite", p, v))]     # (B, kv, g, T, dh)
 
 
 def measure(contexts=CONTEXTS, kv_heads=KV_HEADS, rounds=ROUNDS):
