@@ -4,25 +4,24 @@ What grouped-query (GQA) and multi-query (MQA) attention cost in quality, measur
 mha.py measures what sharing K/V heads saves; this file measures what it costs. It trains a tiny character-level
 language model built around mha.CausalMHA on Python's own documentation (pydoc_data.topics, no download) and
 reports validation loss in bits per character, with a 95 % confidence interval for every comparison.
+What the heads of one such trained model do, and how many it needs, is heads.py's question.
   A. From scratch: MHA, GQA-4, GQA-2 and MQA, a seed's configurations sharing initialisation and batches, matched
      on width, not parameters (MQA has 12 % fewer). MHA and MQA train on 5 seeds: 81 % power to resolve MQA's cost
      at the pilot's point estimate (seeds 10 to 15), about 75 % over its uncertainty; GQA-4 and GQA-2 on 3.
   B. Conversion (Ainslie et al. 2023): each trained MHA of those 3 seeds becomes GQA/MQA by pooling its K/V heads
      and trains on as A would have gone on, for 5 % more steps (20 % for mean pooling), beside the MHA resumed alike.
-  C. What each head of a trained MHA attends to, and its attention maps on a real passage.
-  D. Head ablation (Michel et al. 2019): how much one trained MHA needs each of its heads.
 It does not claim the cost at scale (d=64, two layers, minutes of training); no dropout, GPU, tokenizer.
 
 Run it:   python quality.py           (6 minutes on 2 quiet cores, up to 13 on a slow or busy machine; writes figures/)
           python quality.py --quick   (half a minute: a smoke run for trying an edit; it resolves nothing)
 
 Papers: Vaswani et al. 2017, arXiv:1706.03762; Shazeer 2019 (MQA), arXiv:1911.02150; Ainslie et al. 2023 (GQA),
-arXiv:2305.13245; Michel, Levy and Neubig 2019, "Are Sixteen Heads Really Better than One?", arXiv:1905.10650.
-Shapes, the alphabet of mha.py: B batch, T characters in a window, d model width, h query heads, kv K/V heads,
-dh = d / h head width, V distinct characters (the vocabulary).
+arXiv:2305.13245. Shapes, the alphabet of mha.py: B batch, T characters in a window, d model width,
+h query heads, kv K/V heads, dh = d / h head width, V distinct characters (the vocabulary).
 """
 
 import argparse
+import collections
 import concurrent.futures
 import contextlib
 import copy
@@ -65,12 +64,10 @@ UPTRAIN = 0.05        # further training after conversion, a fraction of A's ste
 UPTRAIN_LONG = 0.2    # the control and the mean-pooled conversions train on to this fraction too
 VAL_FRACTION = 0.1    # the last tenth of the text is validation
 EVAL_WINDOWS = 256    # validation loss is the mean over these many windows, evenly spaced: 16,384 characters
-BLOCKS = 8            # D's intervals: over 8 blocks of 32 consecutive windows (batch means)
-PASSAGE = 36          # characters of the passage whose attention maps are drawn (C)
 WORKERS = 2           # processes that train models side by side, one torch thread each (see "on both cores")
 STEP_SECONDS = 0.02   # a step in each of 2 workers side by side (16 to 42 ms on 2 cores, by the day): the estimate
 OUT_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "figures")
-FIGURES = ("quality.png", "trained_attention_maps.png")
+FIGURE = "quality.png"
 
 
 # ----------------------------------------------------------------------------- the data
@@ -90,8 +87,8 @@ class Data:
         cut = int(len(text) * (1 - VAL_FRACTION))
         self.train, self.val, self.val_text = ids[:cut], ids[cut:], text[cut:]
         # Evenly spaced validation windows in text order, the same for every model: inputs x, next characters y.
-        starts = torch.linspace(0, len(self.val) - CONTEXT - 1, EVAL_WINDOWS).long()
-        self.val_x, self.val_y = windows(self.val, starts)  # (EVAL_WINDOWS, T) each
+        self.val_starts = torch.linspace(0, len(self.val) - CONTEXT - 1, EVAL_WINDOWS).long()
+        self.val_x, self.val_y = windows(self.val, self.val_starts)   # (EVAL_WINDOWS, T) each
 
     def batches(self, seed, steps):
         """The training windows of every step, (steps, B) start positions, from the seed alone."""
@@ -229,7 +226,7 @@ def train(model, opt, data, starts, schedule, evaluate_at=()):
     steps, curve = len(starts), {}
     for step in range(steps + 1):
         if step in evaluate_at:
-            curve[step] = window_losses(model, data).mean().item()
+            curve[step] = window_losses(model, data.val_x, data.val_y).mean().item()
         if step == steps:
             return curve
         for group in opt.param_groups:
@@ -243,12 +240,12 @@ def train(model, opt, data, starts, schedule, evaluate_at=()):
 
 
 @torch.no_grad()
-def window_losses(model, data):
-    """Validation bits/char of each of the EVAL_WINDOWS windows, (EVAL_WINDOWS,), 64 windows at a time."""
+def window_losses(model, x, y):
+    """Bits/char of each window, (N,): inputs x (N, T) against next characters y (N, T), 64 windows at a time."""
     model.eval()
-    logits = torch.cat([model(data.val_x[i:i + 64]) for i in range(0, EVAL_WINDOWS, 64)])   # (N, T, V)
+    logits = torch.cat([model(x[i:i + 64]) for i in range(0, len(x), 64)])   # (N, T, V)
     model.train()
-    nats = F.cross_entropy(logits.transpose(1, 2), data.val_y, reduction="none")          # (N, V, T) -> (N, T)
+    nats = F.cross_entropy(logits.transpose(1, 2), y, reduction="none")     # (N, V, T) -> (N, T)
     return nats.mean(1) / math.log(2)
 
 
@@ -303,8 +300,12 @@ def seeds_of(name, seeds):
 
 
 # ----------------------------------------------------------------------------- A. from scratch
+# One model of table A as its worker returns it: the model, its validation bits/char, AdamW's state_dict.
+Trained = collections.namedtuple("Trained", "model loss opt_state")
+
+
 def run_from_scratch(seeds, steps, run):
-    """Train every configuration on its seeds. Returns {config: {seed: (model, validation bits/char, AdamW state)}}."""
+    """Train every configuration on its seeds. Returns {config: {seed: Trained}}."""
     tasks = [(name, seed, steps) for name in CONFIGS for seed in seeds_of(name, seeds)]   # MHA, the longest, first
     done = run("A. from scratch", [(train_from_scratch, task, steps) for task in tasks])
     results = {name: {} for name in CONFIGS}
@@ -314,15 +315,16 @@ def run_from_scratch(seeds, steps, run):
 
 
 def train_from_scratch(name, seed, steps):
-    """One from-scratch model in a worker (WORKER holds its data): (model, its validation loss, AdamW's state)."""
+    """One from-scratch model in a worker (WORKER holds its data), trained: a Trained."""
     model, data = fresh_models(len(WORKER["data"].chars), seed)[name], WORKER["data"]
     opt = optimizer(model)
-    return model, train(model, opt, data, data.batches(seed, steps), lr_at, {steps})[steps], opt.state_dict()
+    loss = train(model, opt, data, data.batches(seed, steps), lr_at, {steps})[steps]
+    return Trained(model, loss, opt.state_dict())
 
 
 def gaps(scratch, name):
     """name minus MHA, one paired difference for each seed of name."""
-    return [run[1] - scratch["MHA"][s][1] for s, run in scratch[name].items()]
+    return [run.loss - scratch["MHA"][s].loss for s, run in scratch[name].items()]
 
 
 def print_table_a(scratch, steps):
@@ -340,29 +342,27 @@ def print_table_a(scratch, steps):
         said[name] = verdict(gaps(scratch, name)) if tested else f"not tested ({previous} not resolved)"
         previous = name
     for name, kv in CONFIGS.items():
-        losses = [run[1] for run in scratch[name].values()]
-        params = sum(p.numel() for p in next(iter(scratch[name].values()))[0].parameters())
+        losses = [run.loss for run in scratch[name].values()]
+        params = sum(p.numel() for p in next(iter(scratch[name].values())).model.parameters())
         sd = f"{statistics.stdev(losses):.3f}" if len(losses) > 1 else ""
         compared = "" if name == "MHA" else f"{paired(gaps(scratch, name)):<25} {said[name]}"
         print(f"   {name:<7}{kv:>10}{params:>9,}{cache_bytes_per_token(kv):>16,}{len(losses):>7}"
-              f"{statistics.mean(losses):>8.3f}{sd:>7}   {compared}".rstrip())
-    sys.stdout.flush()
+              f"{statistics.mean(losses):>8.3f}{sd:>7}   {compared}".rstrip(), flush=True)
 
 
 # ----------------------------------------------------------------------------- B. conversion
 # Ainslie et al. continue pre-training a converted checkpoint on its own recipe for 5 % of its steps. Here A goes on:
 # AdamW resumed (K/V rows' moments pooled like their weights), its last lr, its next batches; the control likewise.
 def run_conversion(scratch, steps, run, seeds):
-    """Every conversion of seeds' MHAs, trained on, and beside them D's ablation: ({seed: {(config, pool): {step:
-    bits/char}}}, head_ablation's result). ("MHA", "none") is the control, the MHA resumed unchanged."""
-    tasks = [(name, pool, seed, steps, scratch["MHA"][seed][0], scratch["MHA"][seed][2])
+    """Every conversion of seeds' MHAs, trained on: {seed: {(config, pool): {step: bits/char}}}.
+    ("MHA", "none") is the control, the MHA resumed unchanged."""
+    tasks = [(name, pool, seed, steps, scratch["MHA"][seed].model, scratch["MHA"][seed].opt_state)
              for seed in seeds for name, pool in targets()]
-    ablated, *done = run("B. conversion", [(head_ablation, (scratch["MHA"][seeds[0]][0],), 0)]
-                         + [(convert_and_train, task, uptrain_steps(steps, task[1])) for task in tasks])
+    done = run("B. conversion", [(convert_and_train, task, uptrain_steps(steps, task[1])) for task in tasks])
     curves = {seed: {} for seed in seeds}
     for (name, pool, seed, *_), curve in zip(tasks, done):
         curves[seed][name, pool] = curve
-    return curves, ablated
+    return curves
 
 
 def targets():
@@ -420,7 +420,7 @@ def print_table_b(curves, scratch, steps):
         gap = "".join(f"{paired([a - c for a, c in zip(at[k], control[k])]) if k in done else '':<26}" for k, _ in more)
         label = "(control)" if pool == "none" else pool + " pool" * (pool == "mean")
         print(f"   {name:<7}{label:<11}{statistics.mean(at[0]):>12.3f}{after}   {gap if pool != 'none' else '':<52}"
-              f"{statistics.mean([scratch[name][s][1] for s in seeds]):>11.3f}")
+              f"{statistics.mean([scratch[name][s].loss for s in seeds]):>11.3f}")
     print("   the control resumed, minus untouched (A's MHA), paired by seed: " + ", ".join(
         f"{label} {paired([c - u for c, u in zip(control[k], control[0])])}" for k, label in more))
     print(f"   {up} steps are {UPTRAIN:.0%} of A's, as in the paper, where 5 % of T5's training is tens of thousands "
@@ -428,178 +428,36 @@ def print_table_b(curves, scratch, steps):
           "it ends.\n   B's intervals are each at 95%, not corrected for their number: read them as a description")
 
 
-# ----------------------------------------------------------------------------- C. trained attention maps
-def passage_start(text):
-    """The first line of the text that opens with a capital and runs PASSAGE characters of plain prose."""
-    plain = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ ,.")
-    return next(i for i in range(1, len(text) - PASSAGE)
-                if text[i - 1] == "\n" and text[i].isupper() and set(text[i:i + PASSAGE]) <= plain)
-
-
-@torch.no_grad()
-def head_roles(model, data):
-    """({role: (layers, h)}, {role: level}): each head's mean attention on four kinds of key (previous, itself,
-    whitespace, word start) over the validation windows, and uniform causal attention's level, favouring none."""
-    x, (N, T) = data.val_x, data.val_x.shape               # (N, T)
-    maps = model(x, need_weights=True)[1]                   # each (N, h, T, T)
-    space = torch.tensor([c.isspace() for c in data.chars])[x]        # (N, T)
-    pos = torch.arange(T).expand_as(x)                                 # (N, T)
-    # The start of the word that holds position i: the latest j <= i with j == 0 or a space at j - 1.
-    after_space = torch.cat([torch.ones_like(space[:, :1]), space[:, :-1]], dim=1)   # (N, T)
-    word_start = torch.where(after_space, pos, torch.zeros_like(pos)).cummax(dim=1).values  # (N, T)
-    keys = torch.arange(T)
-    masks = {"previous": (keys[None, :] == keys[:, None] - 1).expand(N, T, T),           # (N, T, T) each
-             "itself": (keys[None, :] == keys[:, None]).expand(N, T, T),
-             "whitespace": space[:, None, :].expand(N, T, T), "word start": keys == word_start[:, :, None]}
-
-    def on(p, m):                                           # p (N, h, T, T), m (N, T, T) -> (h,)
-        return (p * m[:, None].float())[:, :, 1:].sum(-1).mean((0, 2))   # row 0 can only see itself
-
-    uniform = torch.tril(torch.ones(T, T)) / (keys[:, None] + 1)       # (T, T): row i is 1/(i+1) on keys 0..i
-    roles = {role: torch.stack([on(p, m) for p in maps]) for role, m in masks.items()}   # (layers, h) each
-    return roles, {role: on(uniform.expand(N, 1, T, T), m).item() for role, m in masks.items()}
-
-
-def strongest(roles, chance, layer, head):
-    """('itself', 7.7): the kind of key a head favours most, in multiples of uniform's level: a label, no more."""
-    ratios = {r: roles[r][layer, head].item() / chance[r] for r in roles}
-    top = max(ratios, key=ratios.get)
-    return top, ratios[top]
-
-
-def print_table_c(roles, chance, seed):
-    best = divmod(int(roles["previous"].argmax()), N_HEADS)
-    print(f"\nC. What each head of the trained MHA attends to (seed {seed}): mean attention on each kind of key, over "
-          f"{EVAL_WINDOWS * CONTEXT:,}\n   validation characters. 'uniform' attends to every key so far alike; "
-          "'favours most' is the kind of key, of\n   these four, with the largest multiple of that uniform level")
-    print(f"   {'layer':>5}{'head':>5}" + "".join(f"{role:>12}" for role in roles) + "   favours most\n"
-          + f"   {'uniform':>10}" + "".join(f"{chance[r]:>11.0%} " for r in roles).rstrip())
-    for i in range(N_LAYERS):
-        for j in range(N_HEADS):
-            print(f"   {i:>5}{j:>5}" + "".join(f"{roles[r][i, j].item():>11.0%} " for r in roles)
-                  + "  {}, {:.1f}x uniform".format(*strongest(roles, chance, i, j)))
-    print(f"   most previous-character-like: {best[0]}.{best[1]}, {roles['previous'][best]:.0%} on the previous one")
-    return best
-
-
-# ----------------------------------------------------------------------------- D. head ablation
-# Michel, Levy and Neubig (2019) silence heads of a trained model at test time and find that many can go with little
-# loss. Table C tells a story about each head; here one trained model is asked how much it needs each one.
-def without_heads(model, heads):
-    """A copy of model with each (layer, head) in heads silenced: out_proj sees o = [o_0 | ... | o_7], so
-    W o + b = W[:, 0:dh] o_0 + ... + b, and zeroing head j's dh columns of W zeroes o_j (Michel et al.'s mask)."""
-    new, dh = copy.deepcopy(model), D_MODEL // N_HEADS
-    with torch.no_grad():
-        for layer, head in heads:
-            new.blocks[layer].attn.out_proj.weight[:, head * dh:(head + 1) * dh] = 0.0   # W: (d, h * dh)
-    return new
-
-
-def head_ablation(model, data=None):
-    """(each window's loss, {(layer, head): each window's loss rise with that head silenced})."""
-    data, heads = data or WORKER["data"], [(i, j) for i in range(N_LAYERS) for j in range(N_HEADS)]
-    base = window_losses(model, data)
-    return base, {hd: window_losses(without_heads(model, [hd]), data) - base for hd in heads}
-
-
-def block_means(rise):
-    """Means of BLOCKS runs of consecutive windows: neighbours correlate, so D's intervals are over these."""
-    return [b.mean().item() for b in torch.tensor_split(rise, BLOCKS)]
-
-
-def print_table_d(ablation, roles, chance, seed, best):
-    base, alone = ablation
-    heads, rise = list(alone), {hd: alone[hd].mean().item() for hd in alone}
-    rank = {hd: k + 1 for k, hd in enumerate(sorted(heads, key=rise.get, reverse=True))}
-    lags = {k: [torch.corrcoef(torch.stack([r[:-k], r[k:]]))[0, 1].item() for r in alone.values()] for k in (1, 10)}
-    width = len(alone[heads[0]]) // BLOCKS
-    print(f"\nD. How much one trained MHA (seed {seed}) needs each head (Michel et al. 2019): the loss with one head's "
-          f"output\n   zeroed before out_proj, minus the intact model's {base.mean():.3f} bits/char, on the same "
-          f"{EVAL_WINDOWS} windows. The validation text\n   is the documentation's last topics, in name order, and a "
-          f"window's rise correlates with its neighbours'\n   far along (over the heads, at lag 1 {min(lags[1]):+.2f} "
-          f"to {max(lags[1]):+.2f}, at lag 10 {min(lags[10]):+.2f} to {max(lags[10]):+.2f}), so the [95% interval]\n"
-          f"   is over {BLOCKS} blocks of {width} consecutive windows (90 % coverage, measured): the sampling of "
-          "windows\n   for this one model, not other seeds. Rank 1: the head most needed; role: C's 'favours most'")
-    print(f"   {'layer':>5}{'head':>5}   {'loss rise [95% interval]':<27}{'rank':>4}   role (C)")
-    for hd in heads:
-        role = "{}, {:.1f}x uniform".format(*strongest(roles, chance, *hd))
-        print(f"   {hd[0]:>5}{hd[1]:>5}   {paired(block_means(alone[hd])):<27}{rank[hd]:>4}   {role}")
-    print(f"   does C predict D? the most previous-character-like head ({best[0]}.{best[1]}) ranks {rank[best]} of "
-          f"{len(heads)}, and the roles above are labels from four\n   kinds of key: 16 heads cannot show whether "
-          "a role ranks importance")
-
-
 # ----------------------------------------------------------------------------- figures
 COLORS = {"MHA": "tab:blue", "GQA-4": "tab:green", "GQA-2": "tab:purple", "MQA": "tab:red"}   # as in mha.py's figures
-ROLE_COLORS = {"previous": "tab:orange", "itself": "tab:olive", "whitespace": "tab:cyan", "word start": "tab:pink"}
 
 
-def plot_quality(scratch, steps, ablation, roles, chance, seed):
-    """Left: A's loss against KV-cache bytes per token. Right: D, each head's loss rise, coloured by its role (C)."""
+def plot_quality(scratch, steps):
+    """Each configuration's loss against the KV-cache bytes one token adds: its seeds, their mean, its interval."""
     from matplotlib.figure import Figure
-    from matplotlib.patches import Patch
-    fig = Figure(figsize=(16, 5.5))
-    left, right = fig.subplots(1, 2, gridspec_kw={"width_ratios": [1, 2]})
+    fig = Figure(figsize=(7, 5))
+    ax = fig.subplots()
     for name, kv in CONFIGS.items():
-        losses, color = [run[1] for run in scratch[name].values()], COLORS.get(name)
-        mean, b = statistics.mean(losses), cache_bytes_per_token(kv)
-        low, high = interval(losses) or (mean, mean)
-        left.errorbar([b], [mean], yerr=[[mean - low], [high - mean]], marker="o", capsize=4, color=color)
-        left.scatter([b] * len(losses), losses, s=8, color=color, alpha=0.4)
-        left.annotate(f"{name} ({len(losses)})", (b, mean), textcoords="offset points", xytext=(8, 4), fontsize=9)
-    left.set_xscale("log", base=2)
+        plot_point(ax, name, cache_bytes_per_token(kv), [run.loss for run in scratch[name].values()])
+    ax.set_xscale("log", base=2)
     ticks = sorted(cache_bytes_per_token(kv) for kv in CONFIGS.values())
-    left.set_xticks(ticks, [str(t) for t in ticks])
-    left.minorticks_off()
-    left.set(xlabel="KV cache per token (bytes, float32)", ylabel="validation loss (bits/char)")
-    left.set_title(f"A. From scratch, {steps} steps: mean, bars: its 95% interval;\ndots: seeds (their number in "
-                   "brackets)", fontsize=9)
-    alone = ablation[1]
-    for k, hd in enumerate(alone):
-        rise = block_means(alone[hd])
-        mean, (low, high) = statistics.mean(rise), interval(rise)
-        right.bar(k, mean, color=ROLE_COLORS[strongest(roles, chance, *hd)[0]], yerr=[[mean - low], [high - mean]],
-                  capsize=3)
-    right.legend([Patch(color=c) for c in ROLE_COLORS.values()], [f"favours most (table C): {r}" for r in ROLE_COLORS],
-                 fontsize=8)
-    right.set_xticks(range(len(alone)), [f"{layer}.{head}" for layer, head in alone])
-    right.axhline(0.0, color="black", lw=0.8)
-    right.set(xlabel="layer.head", ylabel="loss rise with this head silenced (bits/char)")
-    right.set_title(f"D. Each head of one trained MHA (seed {seed}) silenced alone, paired on {EVAL_WINDOWS} "
-                    f"validation windows;\nbars: 95% interval over {BLOCKS} blocks of consecutive windows", fontsize=9)
-    fig.suptitle(f"What sharing K/V heads costs: character-level LM on pydoc_data.topics, d={D_MODEL}, "
-                 f"{N_HEADS} query heads, {N_LAYERS} layers, T={CONTEXT}, batch {BATCH}", fontsize=11)
+    ax.set_xticks(ticks, [str(t) for t in ticks])
+    ax.minorticks_off()
+    ax.set(xlabel="KV cache per token (bytes, float32)", ylabel="validation loss (bits/char)")
+    ax.set_title(f"What sharing K/V heads costs: a char-level LM on pydoc_data.topics, d={D_MODEL},\n"
+                 f"{N_HEADS} query heads, {N_LAYERS} layers, T={CONTEXT}, {steps} steps from scratch; "
+                 "bars: the mean's 95% interval,\ndots: seeds (their number in brackets)", fontsize=9)
     fig.tight_layout()
     return fig
 
 
-def plot_trained_maps(model, data, seed, steps, best):
-    """Every head of the trained MHA on a real passage from the validation text, characters as ticks."""
-    from matplotlib.figure import Figure
-    start = passage_start(data.val_text)
-    text = data.val_text[start:start + PASSAGE]
-    with torch.no_grad():
-        maps = model(data.val[start:start + PASSAGE][None], need_weights=True)[1]   # (1, T) -> each (1, h, T, T)
-    cols, rows = 4, N_LAYERS * N_HEADS // 4
-    fig = Figure(figsize=(3.2 * cols + 1, 3.2 * rows + 0.8))
-    labels = [{" ": "\u2423", "\n": "\u21b5"}.get(c, c) for c in text]   # a space as an open box, a newline as ↵
-    for k, ax in enumerate(fig.subplots(rows, cols, squeeze=False).flat):
-        layer, head = divmod(k, N_HEADS)
-        im = ax.imshow(maps[layer][0, head].numpy(), cmap="viridis", vmin=0.0, vmax=1.0)
-        ax.set_title(f"layer {layer} head {head}" + ("  (previous char)" if (layer, head) == best else ""),
-                     fontsize=9, fontweight="bold" if (layer, head) == best else "normal")
-        ax.set_xticks(range(len(text)), labels, fontsize=5)
-        ax.set_yticks(range(len(text)), labels, fontsize=5)
-        ax.tick_params(length=0, pad=1)
-    fig.subplots_adjust(left=0.03, right=0.92, bottom=0.03, top=1 - 1 / (3.2 * rows + 0.8), wspace=0.15, hspace=0.25)
-    fig.colorbar(im, cax=fig.add_axes([0.935, 0.2, 0.012, 0.6]), label="attention probability")
-    layer, head = best
-    share = torch.diagonal(maps[layer][0, head], -1).mean()
-    fig.suptitle(f"Trained MHA (d={D_MODEL}, {N_HEADS} heads, {N_LAYERS} layers, {steps} steps, seed {seed}), every "
-                 "head on a validation passage; rows: query character, columns: key character\nlayer "
-                 f"{layer} head {head} is the most previous-character-like: {share:.0%} of its attention here on the "
-                 "character just before", fontsize=11)
-    return fig
+def plot_point(ax, name, x, losses):
+    """One point of the figure: a model's losses over seeds at x, its cache bytes per token."""
+    mean, color = statistics.mean(losses), COLORS.get(name)
+    low, high = interval(losses) or (mean, mean)
+    ax.errorbar([x], [mean], yerr=[[mean - low], [high - mean]], marker="o", capsize=4, color=color)
+    ax.scatter([x] * len(losses), losses, s=8, color=color, alpha=0.4)
+    ax.annotate(f"{name} ({len(losses)})", (x, mean), xytext=(8, 4), textcoords="offset points", size=9)
 
 
 # ----------------------------------------------------------------------------- on both cores
@@ -626,7 +484,7 @@ def exit_with_parent(parent):
 
 # ----------------------------------------------------------------------------- main
 def train_everything(args, run):
-    """The data, then A and B (and D's evaluations, beside B) on the workers, each table printed when known."""
+    """The data, then A and B on the workers, each table printed when known: A's {config: {seed: Trained}}."""
     text = load_text()
     data, digest = Data(text), hashlib.sha256(text.encode("utf-8")).hexdigest()[:12]   # another Python, another text
     print(f"What GQA and MQA cost in quality: a character-level LM, d={D_MODEL}, {N_HEADS} query heads of width "
@@ -638,17 +496,15 @@ def train_everything(args, run):
           "the same numbers to the bit, whatever the number of workers", flush=True)
     scratch = run_from_scratch(args.seeds, args.steps, run)
     print_table_a(scratch, args.steps)
-    curves, ablation = run_conversion(scratch, args.steps, run, args.seeds[:GQA_SEEDS])
+    curves = run_conversion(scratch, args.steps, run, args.seeds[:GQA_SEEDS])
     print_table_b(curves, scratch, args.steps)
-    return scratch, ablation, data
+    return scratch
 
 
 def main(argv=None):
     args = parse_args(argv)        # a bad flag or --out-dir ends here, in one line (exit code 2)
-    torch.set_num_threads(1)                               # tables C and D and the maps, like every model
     if args.quick:
-        print(f"--quick: a smoke run for trying an edit ({args.steps} steps, seeds {' '.join(map(str, args.seeds))}); "
-              "it resolves nothing")
+        print(f"--quick: a smoke run ({args.steps} steps, seeds {args.seeds}): it resolves nothing")
     further = sum(uptrain_steps(args.steps, pool) for _, pool in targets())        # B's, for each converted seed
     total = sum(len(seeds_of(n, args.seeds)) for n in CONFIGS) * args.steps + len(args.seeds[:GQA_SEEDS]) * further
     estimate = total * STEP_SECONDS / WORKERS + 30        # 30 s to start, evaluate and draw
@@ -658,20 +514,14 @@ def main(argv=None):
     start = time.perf_counter()
     try:
         with workers(total) as run:
-            scratch, ablation, data = train_everything(args, run)
+            scratch = train_everything(args, run)
     except concurrent.futures.process.BrokenProcessPool:
         print("quality.py: error: a worker process stopped (killed, or out of memory?) before its models were "
               "trained; nothing was written", file=sys.stderr)
         return 1
-    seed, trained = args.seeds[0], scratch["MHA"][args.seeds[0]][0]
-    roles, chance = head_roles(trained, data)
-    best = print_table_c(roles, chance, seed)
-    print_table_d(ablation, roles, chance, seed, best)
-    figures = [plot_quality(scratch, args.steps, ablation, roles, chance, seed),
-               plot_trained_maps(trained, data, seed, args.steps, best)]
-    for name, fig in zip(FIGURES, figures):
-        fig.savefig(os.path.join(args.out_dir, name), dpi=100)   # Agg's PNG holds no date: the same bytes each run
-    print(f"\nFigures written to {os.path.join(os.path.relpath(args.out_dir), '')}: {', '.join(FIGURES)}")
+    fig = plot_quality(scratch, args.steps)
+    fig.savefig(os.path.join(args.out_dir, FIGURE), dpi=100)   # Agg's PNG holds no date: the same bytes
+    print(f"\nFigure written to {os.path.join(os.path.relpath(args.out_dir), FIGURE)}")
     wall = time.perf_counter() - start
     print(f"time: {wall / 60:.1f} min (estimated {estimate / 60:.1f}), {WORKERS} worker{'s' * (WORKERS > 1)} of 1 "
           f"thread: {wall * WORKERS / total * 1e3:.0f} ms a training step in each, all else included")

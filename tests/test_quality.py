@@ -1,5 +1,5 @@
 """quality.py: a tiny run through main(), the conversion (to_gqa, and A's optimizer resumed with its K/V moments
-pooled), the statistics against hand values, table D's blocks, and the worker pool's end with Ctrl-C or its parent."""
+pooled), the statistics against hand values, and the worker pool's end with Ctrl-C or its parent."""
 
 import copy
 import math
@@ -10,7 +10,6 @@ import signal
 import subprocess
 import sys
 import time
-import types
 
 import pytest
 import torch
@@ -47,7 +46,7 @@ def trained_with_state(vocab=20, steps=3, seed=0):
 
 
 # ----------------------------------------------------------------------------- end to end
-def test_a_tiny_run_prints_four_tables_writes_two_pngs_and_trains_as_one_process_would(data, tmp_path, capsys,
+def test_a_tiny_run_prints_tables_a_and_b_writes_the_png_and_trains_as_one_process_would(data, tmp_path, capsys,
                                                                                           monkeypatch):
     """main() as a user runs it, on tiny steps: nothing is learned, everything runs. The models the two workers
     trained are the ones this process trains alone, to the bit."""
@@ -63,26 +62,22 @@ def test_a_tiny_run_prints_four_tables_writes_two_pngs_and_trains_as_one_process
     table_a = out.split("A. From scratch")[1].split("B. Conversion")[0]
     found = rows(table_a, quality.CONFIGS)
     assert list(found) == list(quality.CONFIGS) and "in advance, MQA, GQA-2, GQA-4" in table_a
-    table_b = out.split("B. Conversion")[1].split("C. What each head")[0]
+    table_b = out.split("B. Conversion")[1].split("Figure written")[0]
     b_rows = [line.split() for line in table_b.splitlines() if line.split()[:1] in ([n] for n in quality.CONFIGS)]
     assert [r[:2] for r in b_rows] == [["MHA", "(control)"]] + [[n, p] for n in ("GQA-4", "GQA-2", "MQA")
                                                                for p in ("mean", "first", "random")]
     assert all(len(r) == 3 + 3 + 2 + 1 for r in b_rows if r[2] == "pool")         # 3 losses, 2 gaps, A's loss
     assert all(r[4] == "-" and len(r) == 7 for r in b_rows if r[1] in ("first", "random"))   # trained to +5 % only
     assert "the control resumed, minus untouched" in table_b and "0.0007 held" in table_b
-    table_d = out.split("D. How much")[1].split("Figures written")[0]
-    heads = [line for line in table_d.splitlines() if "".join(line.split()[:2]).isdigit()]
-    assert len(heads) == quality.N_LAYERS * quality.N_HEADS and all("[" in line for line in heads)
-    assert f"over {quality.BLOCKS} blocks of 32 consecutive windows" in table_d.replace("\n   ", " ")
-    for name in quality.FIGURES:
-        assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
-    scratch = results[0][0]
+    assert (tmp_path / quality.FIGURE).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert not (tmp_path / "trained_attention_maps.png").exists()                # heads.py's, not this run's
+    scratch = results[0]
     torch.set_num_threads(1)
     for name, seed in [("MHA", 0), ("MQA", 0)]:
         model = quality.fresh_models(len(data.chars), seed)[name]
         loss = quality.train(model, quality.optimizer(model), data, data.batches(seed, 10), quality.lr_at, {10})[10]
-        assert scratch[name][seed][1] == loss, (name, seed)
-        assert all(torch.equal(a, b) for a, b in zip(scratch[name][seed][0].state_dict().values(),
+        assert scratch[name][seed].loss == loss, (name, seed)
+        assert all(torch.equal(a, b) for a, b in zip(scratch[name][seed].model.state_dict().values(),
                                                       model.state_dict().values()))
 
 
@@ -289,7 +284,8 @@ def test_table_b_pairs_each_row_with_the_control_of_its_seed_at_the_same_step(ca
         for name in ("GQA-4", "GQA-2", "MQA"):
             curves[s][name, "mean"] = {0: 5.0, 1: 2.2 + 0.1 * s, 4: 1.2 + 0.1 * s}
             curves[s][name, "first"] = curves[s][name, "random"] = {0: 6.0, 1: 2.3 + 0.1 * s}
-    quality.print_table_b(curves, {name: {s: (None, 2.0) for s in seeds} for name in quality.CONFIGS}, steps)
+    scratch = {name: {s: quality.Trained(None, 2.0, None) for s in seeds} for name in quality.CONFIGS}
+    quality.print_table_b(curves, scratch, steps)
     out = capsys.readouterr().out
     lines = [line for line in out.splitlines() if line.split()[:1] in (["GQA-4"], ["GQA-2"], ["MQA"])]
     assert len(lines) == 9
@@ -331,8 +327,8 @@ def test_interval_and_verdict_on_known_numbers():
 
 def test_each_difference_pairs_a_seed_with_the_mha_of_the_same_seed():
     """MHA's loss moves from seed to seed and GQA-4 follows it 0.05 above: every paired difference is 0.05."""
-    scratch = {"MHA": {s: (None, 2.0 + 0.1 * s) for s in (5, 6, 7, 8, 9)},
-               "GQA-4": {s: (None, 2.05 + 0.1 * s) for s in (5, 6, 7)}}
+    scratch = {"MHA": {s: quality.Trained(None, 2.0 + 0.1 * s, None) for s in (5, 6, 7, 8, 9)},
+               "GQA-4": {s: quality.Trained(None, 2.05 + 0.1 * s, None) for s in (5, 6, 7)}}
     assert quality.gaps(scratch, "GQA-4") == pytest.approx([0.05, 0.05, 0.05])
 
 
@@ -344,86 +340,9 @@ def test_each_difference_pairs_a_seed_with_the_mha_of_the_same_seed():
 def test_the_fixed_sequence_tests_each_only_if_the_one_before_was_resolved(mqa, said, capsys):
     model = quality.CharLM(10, quality.N_HEADS)
     gaps = {"GQA-4": [0.01, -0.01, 0.02], "GQA-2": [0.01, 0.02, 0.015], "MQA": mqa}
-    scratch = {"MHA": {s: (model, 2.0) for s in range(5)}}
-    scratch.update({name: {s: (model, 2.0 + g) for s, g in enumerate(gs)} for name, gs in gaps.items()})
+    scratch = {"MHA": {s: quality.Trained(model, 2.0, None) for s in range(5)}}
+    scratch.update({name: {s: quality.Trained(model, 2.0 + g, None) for s, g in enumerate(gs)}
+                    for name, gs in gaps.items()})
     quality.print_table_a(scratch, 10)
     found = rows(capsys.readouterr().out, quality.CONFIGS)
     assert [found[n].endswith(s) for n, s in zip(["MQA", "GQA-2", "GQA-4"], said)] == [True] * 3, found
-
-
-def test_d_intervals_are_over_blocks_of_consecutive_windows():
-    """8 blocks of 32 windows: block k of 0, 1, ..., 255 has mean 32 k + 15.5. Neighbours alike (a slow wave): the
-    interval over the blocks is wider than one that takes the 256 windows as independent."""
-    means = quality.block_means(torch.arange(256.0))
-    assert quality.BLOCKS == 8 and means == [32 * k + 15.5 for k in range(8)]
-    wave = torch.sin(torch.arange(256.0) / 8)
-    blocked, independent = quality.interval(quality.block_means(wave)), quality.interval(wave.tolist())
-    widths = [high - low for low, high in (blocked, independent)]
-    assert widths[0] > 2 * widths[1]
-
-
-def test_table_d_prints_each_heads_interval_over_its_blocks_and_ranks_by_its_rise(capsys):
-    heads = [(i, j) for i in range(quality.N_LAYERS) for j in range(quality.N_HEADS)]
-    blocks = torch.tensor([0.1, 0.3, 0.2, 0.4, 0.3, 0.5, 0.2, 0.4])                 # 8 block means, each 32 windows
-    alone = {hd: blocks.repeat_interleave(32) * (k + 1) for k, hd in enumerate(heads)}
-    roles = {r: torch.ones(quality.N_LAYERS, quality.N_HEADS) for r in quality.ROLE_COLORS}
-    quality.print_table_d((torch.full((256,), 2.0), alone), roles, dict.fromkeys(roles, 0.1), 0, (0, 3))
-    found = [re.search(r"(\S+ \[.+?\])\s+(\d+)   ", line).groups() for line in capsys.readouterr().out.splitlines()
-             if "".join(line.split()[:2]).isdigit()]
-    assert [ci for ci, _ in found] == [quality.paired((blocks * (k + 1)).tolist()) for k in range(len(heads))]
-    assert [int(rank) for _, rank in found] == list(range(len(heads), 0, -1))      # the largest rise ranks 1
-
-
-# ----------------------------------------------------------------------------- C and D's pieces
-def test_zeroing_a_head_is_removing_its_slice_from_out_proj_input():
-    """Silencing head j of a layer == out_proj applied to the heads' output without head j's dh columns."""
-    torch.manual_seed(0)
-    model = quality.CharLM(50, quality.N_HEADS)
-    dh = quality.D_MODEL // quality.N_HEADS
-    o = torch.randn(3, quality.CONTEXT, quality.D_MODEL)                         # (..., h * dh): heads side by side
-    for layer, head in [(0, 0), (1, 5), (1, quality.N_HEADS - 1)]:
-        attn = model.blocks[layer].attn
-        keep = [c for c in range(quality.D_MODEL) if not head * dh <= c < (head + 1) * dh]
-        removed = o[..., keep] @ attn.out_proj.weight[:, keep].T + attn.out_proj.bias
-        silenced = quality.without_heads(model, [(layer, head)]).blocks[layer].attn.out_proj(o)
-        assert torch.allclose(silenced, removed, atol=1e-6), (layer, head, (silenced - removed).abs().max())
-        assert not torch.allclose(attn.out_proj(o), removed, atol=1e-3)          # the head mattered, on a copy
-    assert model.blocks[1].attn.out_proj.weight[:, 5 * dh:6 * dh].abs().sum() > 0
-
-
-def test_head_roles_known_answer(data):
-    """A model whose head 0 looks only at the previous character and the others only at themselves."""
-    T, h = quality.CONTEXT, quality.N_HEADS
-
-    class Fake(torch.nn.Module):
-        def forward(self, x, need_weights=False):
-            p = torch.zeros(len(x), h, T, T)
-            p[:, :, 0, 0] = 1.0
-            p[:, 0, torch.arange(1, T), torch.arange(T - 1)] = 1.0               # previous character
-            p[:, 1:, torch.arange(1, T), torch.arange(1, T)] = 1.0               # itself
-            return None, [p]
-
-    roles, chance = quality.head_roles(Fake(), data)
-    assert roles["previous"][0, 0].item() == pytest.approx(1.0) and roles["itself"][0, 0].item() == 0.0
-    assert roles["itself"][0, 1].item() == pytest.approx(1.0) and roles["previous"][0, 1].item() == 0.0
-    level = sum(1 / (i + 1) for i in range(1, T)) / (T - 1)       # uniform: 1/(i+1) on the previous key
-    assert chance["previous"] == pytest.approx(level) and chance["itself"] == pytest.approx(level)
-    assert quality.strongest(roles, chance, 0, 0) == ("previous", pytest.approx(1 / level))
-
-
-def test_head_roles_finds_word_starts():
-    """'ab ab': the word that holds each position starts at 0, 0, 0 (the space ends the first word), 3, 3. A head
-    attending to exactly those keys puts all its weight on word starts; one that looks at key 0 from row 1 and at
-    the space from rows 2 to 4 puts a quarter there (row 1's key 0), three quarters on whitespace."""
-    data = types.SimpleNamespace(val_x=torch.tensor([[1, 2, 0, 1, 2]]), chars=[" ", "a", "b"])
-
-    class Fake(torch.nn.Module):
-        def forward(self, x, need_weights=False):
-            p = torch.zeros(1, quality.N_HEADS, 5, 5)                       # (N, h, T, T)
-            p[0, 0, torch.arange(5), torch.tensor([0, 0, 0, 3, 3])] = 1.0   # head 0: each word's start
-            p[0, 1:, torch.arange(5), torch.tensor([0, 0, 2, 2, 2])] = 1.0  # the others: the space, or key 0
-            return None, [p]
-
-    roles, _ = quality.head_roles(Fake(), data)
-    assert roles["word start"][0, 0].item() == pytest.approx(1.0)
-    assert roles["word start"][0, 1].item() == pytest.approx(0.25) and roles["whitespace"][0, 1].item() == 0.75
