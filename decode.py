@@ -93,22 +93,17 @@ def roofline(flops, n_bytes, read_rate, flop_rate):
 # ------------------------------------------------------------------ timing one decode step
 @dataclass
 class Timing:
-    """Best seconds of each call: steps[kv][i] of mha.attend_grouped and reads[kv][i] of a sum
-    over the same K and V at contexts[i]; textbook[kv], fused[kv] and parts[kv] (q k^T, softmax,
-    p v) at the longest context; and the matmul's FLOP rate."""
+    """What measure() found: best[what, kv, S], the best seconds of each call it timed ("step",
+    "read", "textbook", "fused", "q k^T", "softmax", "p v"), and the square matmul's FLOP rate."""
     contexts: tuple
-    steps: dict
-    reads: dict
-    textbook: dict
-    fused: dict
-    parts: dict
+    kv_heads: tuple
+    best: dict
     flop_rate: float
-    rounds: int
     elsewhere: float = 0.0     # cores other programs kept busy meanwhile (0: Linux did not say)
 
     def read_rate(self, kv, S):
         """Bytes per second of a sum over this step's own K and V."""
-        return decode_bytes(kv, mha.LLAMA_D_HEAD, S) / self.reads[kv][self.contexts.index(S)]
+        return decode_bytes(kv, mha.LLAMA_D_HEAD, S) / self.best["read", kv, S]
 
     def floor(self, kv, S):
         """roofline() of the step with kv K/V heads over S cached tokens: (seconds, bound)."""
@@ -148,7 +143,7 @@ def measure(contexts=CONTEXTS, kv_heads=KV_HEADS, rounds=ROUNDS):
     # (2, B, kv, longest, dh). A step over S tokens reads cache[:, :, :, :S], K and V each
     # (B, kv, S, dh): views of the cache, not copies.
     caches = {kv: torch.randn(2, 1, kv, longest, dh) for kv in kv_heads}
-    calls = [("matmul", 0, longest, torch.mm, (a, a))]     # (what, kv, S, function, its arguments)
+    calls = [("matmul", None, None, torch.mm, (a, a))]     # (what, kv, S, function, its arguments)
     # Longest context first; at each, every configuration's read, then every step: the other
     # configurations' K and V pass through the CPU's caches between a step and its own read, so
     # neither finds them there.
@@ -174,16 +169,8 @@ def measure(contexts=CONTEXTS, kv_heads=KV_HEADS, rounds=ROUNDS):
                 best[what, kv, S] = min(best.get((what, kv, S), math.inf), time.perf_counter() - t0)
 
     elsewhere = cores_elsewhere(start)
-
-    def table(whats, at):                      # {kv: [best seconds of each what at each S]}
-        return {kv: [best[what, kv, S] for what in whats for S in at] for kv in kv_heads}
-
-    return Timing(contexts, steps=table(["step"], contexts), reads=table(["read"], contexts),
-                  textbook={kv: row[0] for kv, row in table(["textbook"], [longest]).items()},
-                  fused={kv: row[0] for kv, row in table(["fused"], [longest]).items()},
-                  parts=table(["q k^T", "softmax", "p v"], [longest]),
-                  flop_rate=2 * MATMUL_N**3 / best["matmul", 0, longest], rounds=rounds,
-                  elsewhere=elsewhere)
+    flop_rate = 2 * MATMUL_N**3 / best["matmul", None, None]
+    return Timing(contexts, tuple(kv_heads), best, flop_rate, elsewhere)
 
 
 # ------------------------------------------------------------------ timings no quiet machine gives
@@ -194,14 +181,14 @@ def contradictions(timing, slack=0.1):
     problems = []
     if timing.elsewhere > BUSY:
         problems.append(f"other programs kept {timing.elsewhere:.1f} cores busy")
-    kinds = sorted(timing.steps, reverse=True)             # most K/V heads first
-    for i, S in enumerate(timing.contexts):
+    kinds = sorted(timing.kv_heads, reverse=True)          # most K/V heads first
+    for S in timing.contexts:
         for more, kv in zip([None] + kinds, kinds):
-            t, floor = timing.steps[kv][i], timing.floor(kv, S)[0]
+            t, floor = timing.best["step", kv, S], timing.floor(kv, S)[0]
             kind = mha.attention_kind(mha.LLAMA_HEADS, kv)
             if t < (1 - slack) * floor:
                 problems.append(f"{kind} at {S} tokens took {t / floor:.0%} of its floor")
-            if more is not None and S >= 1024 and t > (1 + slack) * timing.steps[more][i]:
+            if more is not None and S >= 1024 and t > (1 + slack) * timing.best["step", more, S]:
                 slower_than = mha.attention_kind(mha.LLAMA_HEADS, more)
                 problems.append(f"{kind} is slower than {slower_than} at {S} tokens")
     return problems
@@ -269,7 +256,8 @@ def print_steps(timing):
     print(f"\nStep time in ms (share of its floor reached), by cached tokens S; matmul "
           f"{timing.flop_rate / 1e9:.0f} GFLOP/s:")
     print("config " + "".join(f"{S:>14}" for S in timing.contexts))
-    for kv, row in timing.steps.items():
+    for kv in timing.kv_heads:
+        row = [timing.best["step", kv, S] for S in timing.contexts]
         shares = [timing.floor(kv, S)[0] / t for S, t in zip(timing.contexts, row)]
         cells = [f"{t * 1e3:.3f} ({share:.0%})" for t, share in zip(row, shares)]
         print(f"{mha.attention_kind(mha.LLAMA_HEADS, kv):<7}" + "".join(f"{c:>14}" for c in cells))
@@ -278,27 +266,27 @@ def print_steps(timing):
 def print_longest(timing, problems):
     """The longest context in detail: bytes, rates, the floor, and each speed-up over MHA against
     the ratio of the floors."""
-    h, S, mha_kv = mha.LLAMA_HEADS, max(timing.contexts), max(timing.steps)
+    h, S, mha_kv = mha.LLAMA_HEADS, max(timing.contexts), max(timing.kv_heads)
+    steps = {kv: timing.best["step", kv, S] for kv in timing.kv_heads}
     print(f"\nAt {S} tokens: floor = max(bytes / read rate, FLOPs / matmul rate), the read rate a "
           "sum's over the step's own K and V")
     print(f"{'config':<7}{'K+V MB':>8}{'FLOP/byte':>10}{'read GB/s':>10}{'ridge':>7}  {'bound':<8}"
           f"{'floor ms':>9}{'step ms':>9}{'reaches':>8}{'speed-up':>9}{'floors allow':>13}")
-    for kv, row in timing.steps.items():
+    for kv, step in steps.items():
         (floor, bound), rate = timing.floor(kv, S), timing.read_rate(kv, S)
-        speedup, allowed = timing.steps[mha_kv][-1] / row[-1], timing.floor(mha_kv, S)[0] / floor
+        speedup, allowed = steps[mha_kv] / step, timing.floor(mha_kv, S)[0] / floor
         mb = decode_bytes(kv, mha.LLAMA_D_HEAD, S) / 1e6
         print(f"{mha.attention_kind(h, kv):<7}{mb:>8.1f}{h / kv / 2:>10.1f}{rate / 1e9:>10.1f}"
-              f"{timing.flop_rate / rate:>7.1f}  {bound:<8}{floor * 1e3:>9.3f}{row[-1] * 1e3:>9.3f}"
-              f"{floor / row[-1]:>8.0%}{speedup:>8.1f}x{allowed:>12.1f}x")
+              f"{timing.flop_rate / rate:>7.1f}  {bound:<8}{floor * 1e3:>9.3f}{step * 1e3:>9.3f}"
+              f"{floor / step:>8.0%}{speedup:>8.1f}x{allowed:>12.1f}x")
     if problems:
         more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
         print(f"NOT TRUSTWORTHY, the machine was busy while timing: {problems[0]}{more}")
         return
-    fewest, kind = min(timing.steps), mha.attention_kind(h, min(timing.steps))
+    fewest, kind = min(steps), mha.attention_kind(h, min(steps))
     print(f"These timings hold together. {kind} reads {mha_kv // fewest}x fewer bytes than "
-          f"{mha.attention_kind(h, mha_kv)} and is "
-          f"{timing.steps[mha_kv][-1] / timing.steps[fewest][-1]:.1f}x faster; its floor allows "
-          f"{timing.floor(mha_kv, S)[0] / timing.floor(fewest, S)[0]:.1f}x.")
+          f"{mha.attention_kind(h, mha_kv)} and is {steps[mha_kv] / steps[fewest]:.1f}x faster; "
+          f"its floor allows {timing.floor(mha_kv, S)[0] / timing.floor(fewest, S)[0]:.1f}x.")
 
 
 def print_parts(timing):
@@ -313,11 +301,12 @@ def print_parts(timing):
     print(f"{'config':<7}{'q k^T':>8}{'GFLOP/s':>9}{'GB/s':>6}{'softmax':>9}{'p v':>8}"
           f"{'GFLOP/s':>9}{'GB/s':>6}{'parts / step':>14}")
     flops = 2 * h * S * dh                                 # of one product
-    for kv, (scores, softmax, values) in timing.parts.items():
+    for kv in timing.kv_heads:
+        scores, softmax, values = [timing.best[part, kv, S] for part in ("q k^T", "softmax", "p v")]
         n_bytes = kv * S * dh * 4                          # of K, or of V: what one product reads
         cells = [f"{t * 1e3:>8.3f}{flops / t / 1e9:>9.0f}{n_bytes / t / 1e9:>6.0f}"
                  for t in (scores, values)]
-        parts = (scores + softmax + values) / timing.steps[kv][-1]
+        parts = (scores + softmax + values) / timing.best["step", kv, S]
         print(f"{mha.attention_kind(h, kv):<7}{cells[0]}{softmax * 1e3:>9.3f}{cells[1]}"
               f"{parts:>14.2f}")
 
@@ -330,8 +319,9 @@ def print_copy_trap(timing):
           "head out to its g query heads\n(a copy of the cache even for MHA, g = 1), "
           "mha.attend_grouped reads it in place, the fused call too (enable_gqa=True)")
     print(f"{'config':<7}{'textbook':>10}{'grouped':>9}{'fused':>8}")
-    for kv, row in timing.steps.items():
-        book, grouped, one_call = timing.textbook[kv], row[-1], timing.fused[kv]
+    for kv in timing.kv_heads:
+        book, grouped = timing.best["textbook", kv, S], timing.best["step", kv, S]
+        one_call = timing.best["fused", kv, S]
         kind = mha.attention_kind(mha.LLAMA_HEADS, kv)
         print(f"{kind:<7}{book * 1e3:>10.2f}{grouped * 1e3:>9.2f}"
               f"{one_call * 1e3:>8.2f}   grouped {book / grouped:.0f}x faster than copying, "
@@ -347,8 +337,9 @@ def plot(timing, problems):
     left, right = fig.subplots(1, 2)
     fig.subplots_adjust(left=0.06, right=0.98, bottom=0.11, top=0.84, wspace=0.22)
     intensity = [2.0 ** e for e in range(-3, 10)]          # FLOPs per byte, 1/8 to 512
-    for i, (kv, row) in enumerate(timing.steps.items()):
+    for i, kv in enumerate(timing.kv_heads):
         kind, color = mha.attention_kind(h, kv), f"C{i}"
+        row = [timing.best["step", kv, s] for s in timing.contexts]
         left.plot(timing.contexts, [t * 1e3 for t in row], marker="o", color=color,
                   label=f"{kind} measured")
         floors = [timing.floor(kv, s)[0] * 1e3 for s in timing.contexts]
