@@ -160,15 +160,16 @@ def measure(contexts=CONTEXTS, kv_heads=KV_HEADS, rounds=ROUNDS):
         for name, function, args in step_parts(q, *cache):
             calls.append((name, kv, longest, function, args))
     best = {}
-    start = busy_seconds()
+    start = seconds_elsewhere()
     with torch.no_grad():
         for _ in range(rounds):
             for what, kv, S, function, args in calls:
                 t0 = time.perf_counter()
                 function(*args)
                 best[what, kv, S] = min(best.get((what, kv, S), math.inf), time.perf_counter() - t0)
-
-    elsewhere = cores_elsewhere(start)
+    end = seconds_elsewhere()
+    # Their CPU seconds per second of wall clock: the cores they kept busy.
+    elsewhere = (end[1] - start[1]) / (end[0] - start[0]) if start and end else 0.0
     flop_rate = 2 * MATMUL_N**3 / best["matmul", None, None]
     return Timing(contexts, tuple(kv_heads), best, flop_rate, elsewhere)
 
@@ -395,9 +396,9 @@ def machine_name():
     return f"{name}, {threads} thread{'s' if threads > 1 else ''}"
 
 
-def busy_seconds():
-    """(wall clock, CPU seconds all programs ran, CPU seconds this process ran) from Linux's
-    /proc/stat; else None."""
+def seconds_elsewhere():
+    """(wall clock, CPU seconds other programs have run) from Linux's /proc/stat, else None: how
+    measure() tells that other programs kept the cores busy while it timed."""
     try:
         with open("/proc/stat") as f:
             # user nice system idle iowait irq softirq steal
@@ -405,16 +406,7 @@ def busy_seconds():
     except OSError:
         return None
     busy = (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
-    return time.perf_counter(), busy, time.process_time()
-
-
-def cores_elsewhere(start):
-    """How many cores other programs kept busy, on average, since start = busy_seconds(); 0 if
-    unknown."""
-    end = busy_seconds()
-    if start is None or end is None:
-        return 0.0
-    return max(0.0, ((end[1] - start[1]) - (end[2] - start[2])) / (end[0] - start[0]))
+    return time.perf_counter(), busy - time.process_time()
 
 
 def parse_args(argv=None):

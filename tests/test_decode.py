@@ -75,13 +75,14 @@ def test_contradictions_of_made_up_timings():
     assert decode.contradictions(timing) == ["other programs kept 0.9 cores busy"]
 
 
-def test_cores_elsewhere_is_the_machine_s_busy_time_less_this_process_s(monkeypatch):
-    """(wall, machine busy, own) from (0, 10, 2) to (2, 13, 3): others used 3 - 1 = 2 CPU seconds
-    in 2 s."""
-    monkeypatch.setattr(decode, "busy_seconds", lambda: (2.0, 13.0, 3.0))
-    assert decode.cores_elsewhere((0.0, 10.0, 2.0)) == 1.0
-    assert decode.cores_elsewhere((0.0, 12.0, 1.0)) == 0.0          # all of it this process's own
-    assert decode.cores_elsewhere(None) == 0.0              # not measurable: nothing claimed
+def test_measure_says_how_many_cores_other_programs_kept_busy(monkeypatch):
+    """(wall clock, CPU seconds of other programs) from (0, 8) to (2, 10): 2 CPU seconds in 2 s,
+    one core; nothing claimed where Linux's /proc/stat is not there."""
+    clock = iter([(0.0, 8.0), (2.0, 10.0)])
+    monkeypatch.setattr(decode, "seconds_elsewhere", lambda: next(clock))
+    assert decode.measure(contexts=(16,), kv_heads=(1,), rounds=1).elsewhere == 1.0
+    monkeypatch.setattr(decode, "seconds_elsewhere", lambda: None)
+    assert decode.measure(contexts=(16,), kv_heads=(1,), rounds=1).elsewhere == 0.0
 
 
 # ------------------------------------------------------------------ the step that copies nothing
