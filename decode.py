@@ -6,22 +6,20 @@ Llama-7B-shaped layer, on this CPU.
     values of every token before it, kept in the KV cache (mha.py), so each step reads the whole
     cache to do little arithmetic with it: the step waits on memory. GQA and MQA keep fewer K/V
     heads, so they read fewer bytes a step.
-  - The roofline (Williams et al. 2009) turns that into a floor, max(bytes / read rate, FLOPs /
-    FLOP rate), a FLOP being one multiply or add of two floating-point numbers, with both rates
-    measured on this machine beside the steps. The run times mha.attend_grouped for MHA, GQA-8,
-    GQA-4 and MQA at 256 to 8192 cached tokens, prints each step against its floor and each
-    speed-up over MHA against the ratio of their floors, then times the step's three parts alone,
-    to show where a step with few K/V heads spends its time; figures/decode_time.png draws the
-    steps.
+  - The run times mha.attend_grouped for MHA, GQA-8, GQA-4 and MQA at 256 to 8192 cached tokens
+    against each step's roofline floor (Williams et al. 2009), from a read rate (bytes a second)
+    and a FLOP rate (multiplies and adds a second) measured beside the steps, and each speed-up
+    over MHA against the ratio of their floors; then times the step's three parts alone.
+    figures/decode_time.png draws the steps.
   - The copy trap, side by side: the textbook step copies each K/V head to its g query heads
     before reading it, mha.attend_grouped reads it once, and PyTorch's fused call does the same in
     one call.
   - On a GPU (NVIDIA's H100), where models run in bf16 (2-byte numbers, defined below), every
-    configuration is memory-bound: worked out from its datasheet.
+    configuration is memory-bound: arithmetic from its datasheet, not a timing.
   - A machine busy with other programs gives timings that contradict each other: the run says
     NOT TRUSTWORTHY.
 Not here: the rest of a layer (projections, MLP: they read the weights, the same for every
-configuration), batches of requests, GPU timings (the H100's lines are arithmetic, not measured).
+configuration), batches of requests.
 Run:    python decode.py  (5 to 10 s; writes figures/decode_time.png)
         python decode.py --out-dir /tmp/figs
 Papers: Williams, Waterman, Patterson 2009, "Roofline" (CACM 52(4)); Shazeer 2019, MQA
@@ -55,7 +53,7 @@ OUT_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "figures")
 # ------------------------------------------------------------------ the roofline
 # A decode step (T = 1) of one layer: each of the h query heads scores S cached keys,
 # (1, dh) @ (dh, S), then averages S values with its weights, (1, S) @ (S, dh): S dh multiply-adds
-# each, 2 FLOPs apiece. So
+# each, 2 FLOPs (floating-point operations) apiece. So
 #     FLOPs = 4 h S dh    on    bytes = 2 kv S dh x 4    (K and V of kv heads, fp32: 4 bytes each)
 # A machine reads at most so many bytes a second and does at most so many FLOPs a second, so a step
 # takes at least
@@ -84,8 +82,7 @@ def decode_bytes(n_kv_heads, d_head, S, bytes_per_elem=4):
 
 def roofline(flops, n_bytes, read_rate, flop_rate):
     """(floor in seconds, 'memory' or 'compute': which rate sets it).  The example above, MQA:
-    roofline(134217728, 8388608, 20e9, 100e9) == (0.00134217728, 'compute')
-    """
+    roofline(134217728, 8388608, 20e9, 100e9) == (0.00134217728, 'compute')"""
     reading, computing = n_bytes / read_rate, flops / flop_rate
     return (reading, "memory") if reading >= computing else (computing, "compute")
 
@@ -152,10 +149,9 @@ def measure(contexts=CONTEXTS, kv_heads=KV_HEADS, rounds=ROUNDS):
             calls.append(("read", kv, S, torch.sum, (cache[:, :, :, :S],)))
         for kv, cache in caches.items():
             calls.append(("step", kv, S, mha.attend_grouped, (q, *cache[:, :, :, :S])))
-    for kv, cache in caches.items():
-        calls.append(("textbook", kv, longest, mha.attend_textbook, (q, *cache)))
-    for kv, cache in caches.items():
-        calls.append(("fused", kv, longest, fused, (q, *cache)))
+    for what, function in [("textbook", mha.attend_textbook), ("fused", fused)]:
+        for kv, cache in caches.items():
+            calls.append((what, kv, longest, function, (q, *cache)))
     for kv, cache in caches.items():
         for name, function, args in step_parts(q, *cache):
             calls.append((name, kv, longest, function, args))
@@ -205,9 +201,8 @@ def contradictions(timing, slack=0.1):
 # is needed on several GPUs and stored on each, so the cache per GPU shrinks less than h / kv says.
 # MQA's one K/V head is stored on every GPU: the GQA paper's case for GQA-8 over MQA on 8 or more.
 def print_gpu(S=8192):
-    """The H100, from its datasheet: every g here is far below its ridge. A GPU kernel's launch
-    takes "on the order of microseconds" (Modal's GPU Glossary, "CUDA Graph":
-    modal.com/gpu-glossary/host-software/cuda-graph)."""
+    """The comment above, computed. A GPU kernel's launch takes "on the order of microseconds"
+    (Modal's GPU Glossary, "CUDA Graph": modal.com/gpu-glossary/host-software/cuda-graph)."""
     name, flop_rate, read_rate = H100
     h, dh, fewest = mha.LLAMA_HEADS, mha.LLAMA_D_HEAD, min(KV_HEADS)
     # g of each configuration:
@@ -252,8 +247,7 @@ def main(argv=None):
 
 # ------------------------------------------------------------------ the tables and the figure
 def print_steps(timing):
-    """Every step's time and the share of its floor it reaches (floor / time: 100 % is the
-    floor)."""
+    """Every step's time, and the share of its floor it reaches: floor / time."""
     print(f"\nStep time in ms (share of its floor reached), by cached tokens S; matmul "
           f"{timing.flop_rate / 1e9:.0f} GFLOP/s:")
     print("config " + "".join(f"{S:>14}" for S in timing.contexts))
@@ -265,8 +259,7 @@ def print_steps(timing):
 
 
 def print_longest(timing, problems):
-    """The longest context in detail: bytes, rates, the floor, and each speed-up over MHA against
-    the ratio of the floors."""
+    """The longest context in detail, each speed-up over MHA beside what the floors allow."""
     h, S, mha_kv = mha.LLAMA_HEADS, max(timing.contexts), max(timing.kv_heads)
     steps = {kv: timing.best["step", kv, S] for kv in timing.kv_heads}
     print(f"\nAt {S} tokens: floor = max(bytes / read rate, FLOPs / matmul rate), the read rate a "
@@ -291,9 +284,7 @@ def print_longest(timing, problems):
 
 
 def print_parts(timing):
-    """The step's three parts at the longest context, each timed alone: each product's time, its
-    rate in FLOPs and in bytes of K or V read, the softmax's time, and the parts' sum against the
-    step."""
+    """The step's three parts at the longest context, each timed alone."""
     h, dh, S = mha.LLAMA_HEADS, mha.LLAMA_D_HEAD, max(timing.contexts)
     print(f"\nThe step's parts at {S} tokens, timed alone, ms: q k^T and p v, products of g query "
           "rows a K/V head, each with\nits GFLOP/s (the square matmul's: "
@@ -313,8 +304,7 @@ def print_parts(timing):
 
 
 def print_copy_trap(timing):
-    """The textbook step (repeat_interleave copies the cache to h heads), the grouped step, the
-    fused call."""
+    """The textbook step, the grouped step and the fused call, side by side."""
     S = max(timing.contexts)
     print(f"\nThe copy trap at {S} tokens, ms: the textbook's repeat_interleave writes each K/V "
           "head out to its g query heads\n(a copy of the cache even for MHA, g = 1), "
@@ -384,8 +374,7 @@ def log_axes(ax, xticks, yticks, x_label, y_label):
 
 # ------------------------------------------------------------------ plumbing
 def machine_name():
-    """The CPU, as Linux names it, and PyTorch's threads: the figure and the table say where they
-    were timed."""
+    """The CPU, as Linux names it, and PyTorch's threads: where the timings were taken."""
     import platform
     name = platform.processor() or platform.machine()
     if os.path.exists("/proc/cpuinfo"):
