@@ -9,8 +9,8 @@ Llama-7B-shaped layer, on this CPU.
   - The run times mha.attend_grouped for MHA, GQA-8, GQA-4 and MQA at 256 to 8192 cached tokens
     against each step's roofline floor (Williams et al. 2009), from a read rate (bytes a second)
     and a FLOP rate (multiplies and adds a second) measured beside the steps, and each speed-up
-    over MHA against the ratio of their floors; then times the step's three parts alone.
-    figures/decode_time.png draws the steps.
+    over MHA against the ratio of their floors, then the step's three parts alone, to see where
+    its time goes; figures/decode_time.png draws the steps.
   - The copy trap, side by side: the textbook step copies each K/V head to its g query heads
     before reading it, mha.attend_grouped reads it once, and PyTorch's fused call does the same in
     one call.
@@ -20,8 +20,7 @@ Llama-7B-shaped layer, on this CPU.
     NOT TRUSTWORTHY.
 Not here: the rest of a layer (projections, MLP: they read the weights, the same for every
 configuration), batches of requests.
-Run:    python decode.py  (5 to 10 s; writes figures/decode_time.png)
-        python decode.py --out-dir /tmp/figs
+Run:    python decode.py  (5 to 10 s; writes figures/decode_time.png; --help for its one flag)
 Papers: Williams, Waterman, Patterson 2009, "Roofline" (CACM 52(4)); Shazeer 2019, MQA
         (arXiv:1911.02150); Ainslie et al. 2023, GQA (arXiv:2305.13245).
 Shapes: mha.py's: B batch, T new tokens, S keys (cached and new), h query heads, kv K/V heads,
@@ -66,8 +65,7 @@ OUT_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "figures")
 # S = 8192 on a CPU reading 20 GB/s and computing 100 GFLOP/s (ridge 5):
 #     MHA (g = 1):  134 MFLOP on 268 MB: 13.4 ms reading, 1.34 ms arithmetic: memory-bound;
 #     MQA (g = 32): 134 MFLOP on 8.4 MB: 0.42 ms reading, 1.34 ms arithmetic: compute-bound,
-#     so 32x fewer bytes would make MQA at most 10x faster on that CPU. Real CPUs differ, and so
-#     does the measured speed-up (LABNOTES.md gives it on three machines).
+#     so 32x fewer bytes would make MQA at most 10x faster on that CPU.
 def decode_flops(n_heads, d_head, S):
     """FLOPs of one new token's attention over S keys, 4 h S dh.
     decode_flops(32, 128, 8192) == 134217728"""
@@ -115,10 +113,9 @@ def fused(q, k, v):
     return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)      # (B, h, 1, dh)
 
 
-# mha.attend_grouped at T = 1 is three parts: the scores q k^T, their softmax, and p v. Timing each
-# alone shows where a step with few K/V heads spends its time. Each part gets its input ready-made.
 def step_parts(q, k, v):
-    """[(name, function, its arguments)] for q k^T, softmax and p v, as attend_grouped runs them."""
+    """mha.attend_grouped at T = 1 in its three parts, the scores q k^T, their softmax and p v,
+    each with its input ready-made, to be timed alone: [(name, function, its arguments)]."""
     B, h, T, dh = q.shape
     kv = k.shape[1]
     q = q.view(B, kv, h // kv, T, dh) * math.sqrt(1.0 / dh)     # (B, kv, g, T, dh)
@@ -205,8 +202,7 @@ def print_gpu(S=8192):
     (Modal's GPU Glossary, "CUDA Graph": modal.com/gpu-glossary/host-software/cuda-graph)."""
     name, flop_rate, read_rate = H100
     h, dh, fewest = mha.LLAMA_HEADS, mha.LLAMA_D_HEAD, min(KV_HEADS)
-    # g of each configuration:
-    per_byte = [decode_flops(h, dh, S) / decode_bytes(kv, dh, S, 2) for kv in KV_HEADS]
+    per_byte = [decode_flops(h, dh, S) / decode_bytes(kv, dh, S, 2) for kv in KV_HEADS]  # g
     n_bytes = decode_bytes(fewest, dh, S, 2)
     seconds, bound = roofline(decode_flops(h, dh, S), n_bytes, read_rate, flop_rate)
     print(f"\nOn an {name} ({flop_rate / 1e12:.0f} TFLOP/s dense bf16, "
@@ -223,8 +219,7 @@ def print_gpu(S=8192):
 def main(argv=None):
     args = parse_args(argv)
     try:
-        # A folder that cannot be made ends the run here, before any timing.
-        os.makedirs(args.out_dir, exist_ok=True)
+        os.makedirs(args.out_dir, exist_ok=True)       # before any timing
     except OSError as e:
         print(f"decode.py: error: --out-dir {args.out_dir} cannot be made: {e.strerror}",
               file=sys.stderr)
@@ -252,9 +247,8 @@ def print_steps(timing):
           f"{timing.flop_rate / 1e9:.0f} GFLOP/s:")
     print("config " + "".join(f"{S:>14}" for S in timing.contexts))
     for kv in timing.kv_heads:
-        row = [timing.best["step", kv, S] for S in timing.contexts]
-        shares = [timing.floor(kv, S)[0] / t for S, t in zip(timing.contexts, row)]
-        cells = [f"{t * 1e3:.3f} ({share:.0%})" for t, share in zip(row, shares)]
+        times = [(timing.best["step", kv, S], timing.floor(kv, S)[0]) for S in timing.contexts]
+        cells = [f"{t * 1e3:.3f} ({floor / t:.0%})" for t, floor in times]
         print(f"{mha.attention_kind(mha.LLAMA_HEADS, kv):<7}" + "".join(f"{c:>14}" for c in cells))
 
 
@@ -274,8 +268,7 @@ def print_longest(timing, problems):
               f"{timing.flop_rate / rate:>7.1f}  {bound:<8}{floor * 1e3:>9.3f}{step * 1e3:>9.3f}"
               f"{floor / step:>8.0%}{speedup:>8.1f}x{allowed:>12.1f}x")
     if problems:
-        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
-        print(f"NOT TRUSTWORTHY, the machine was busy while timing: {problems[0]}{more}")
+        print("NOT TRUSTWORTHY, the machine was busy while timing: " + "; ".join(problems))
         return
     fewest, kind = min(steps), mha.attention_kind(h, min(steps))
     print(f"These timings hold together. {kind} reads {mha_kv // fewest}x fewer bytes than "
@@ -363,13 +356,10 @@ def plot(timing, problems):
 
 def log_axes(ax, xticks, yticks, x_label, y_label):
     """Log-log axes with ticks at fixed places, labelled in plain numbers."""
-    ax.set_xscale("log")
-    ax.set_yscale("log")
+    ax.set(xscale="log", yscale="log", xlabel=x_label, ylabel=y_label)
     ax.set_xticks(xticks, [f"{t:g}" for t in xticks])
     ax.set_yticks(yticks, [f"{t:g}" for t in yticks])
     ax.minorticks_off()
-    ax.set_xlabel(x_label)
-    ax.set_ylabel(y_label)
 
 
 # ------------------------------------------------------------------ plumbing
