@@ -133,9 +133,8 @@ def measure(contexts=CONTEXTS, kv_heads=KV_HEADS, rounds=ROUNDS):
     contexts, longest = tuple(sorted(contexts)), max(contexts)
     q = torch.randn(1, h, 1, dh)                           # (B, h, T, dh): one new token's queries
     a = torch.randn(MATMUL_N, MATMUL_N)
-    # Each configuration's cache, filled as a server's would be: K and V stacked,
-    # (2, B, kv, longest, dh). A step over S tokens reads cache[:, :, :, :S], K and V each
-    # (B, kv, S, dh): views of the cache, not copies.
+    # Each configuration's cache as a server fills it, K and V stacked: (2, B, kv, longest, dh).
+    # A step over S tokens reads cache[:, :, :, :S], K and V each (B, kv, S, dh): views, not copies.
     caches = {kv: torch.randn(2, 1, kv, longest, dh) for kv in kv_heads}
     calls = [("matmul", None, None, torch.mm, (a, a))]     # (what, kv, S, function, its arguments)
     # Longest context first; at each, every configuration's read, then every step: the other
@@ -161,7 +160,7 @@ def measure(contexts=CONTEXTS, kv_heads=KV_HEADS, rounds=ROUNDS):
                 function(*args)
                 best[what, kv, S] = min(best.get((what, kv, S), math.inf), time.perf_counter() - t0)
     end = seconds_elsewhere()
-    # Their CPU seconds per second of wall clock: the cores they kept busy.
+    # Other programs' CPU seconds per second of wall clock: the cores they kept busy meanwhile.
     elsewhere = (end[1] - start[1]) / (end[0] - start[0]) if start and end else 0.0
     flop_rate = 2 * MATMUL_N**3 / best["matmul", None, None]
     return Timing(contexts, tuple(kv_heads), best, flop_rate, elsewhere)
@@ -191,8 +190,7 @@ def contradictions(timing, slack=0.1):
 # ------------------------------------------------------------------ on a GPU
 # GPUs serve models in bf16 (bfloat16): 2-byte numbers with float32's range and fewer digits, so a
 # step reads half the bytes of fp32 for the same FLOPs: 4 h S dh / (4 kv S dh) = g FLOPs per byte.
-# An H100 SXM does 989e12 dense bf16 FLOPs a second and reads 3.35e12 bytes a second (NVIDIA's
-# datasheet): its ridge is 989 / 3.35, about 295 FLOPs per byte, far above any g here (1 to 32).
+# An H100's ridge (datasheet, H100 above): 989e12 / 3.35e12, 295 FLOPs per byte, far above any g.
 # A model too big for one GPU splits its heads across several GPUs (tensor parallelism): each GPU
 # holds some query heads and the K/V heads they read. With more GPUs than K/V heads, each K/V head
 # is needed on several GPUs and stored on each, so the cache per GPU shrinks less than h / kv says.
@@ -304,8 +302,7 @@ def print_copy_trap(timing):
           "mha.attend_grouped reads it in place, the fused call too (enable_gqa=True)")
     print(f"{'config':<7}{'textbook':>10}{'grouped':>9}{'fused':>8}")
     for kv in timing.kv_heads:
-        book, grouped = timing.best["textbook", kv, S], timing.best["step", kv, S]
-        one_call = timing.best["fused", kv, S]
+        book, grouped, one_call = (timing.best[w, kv, S] for w in ("textbook", "step", "fused"))
         kind = mha.attention_kind(mha.LLAMA_HEADS, kv)
         print(f"{kind:<7}{book * 1e3:>10.2f}{grouped * 1e3:>9.2f}"
               f"{one_call * 1e3:>8.2f}   grouped {book / grouped:.0f}x faster than copying, "
@@ -376,8 +373,7 @@ def machine_name():
 
 
 def seconds_elsewhere():
-    """(wall clock, CPU seconds other programs have run) from Linux's /proc/stat, else None: how
-    measure() tells that other programs kept the cores busy while it timed."""
+    """(wall clock, CPU seconds other programs have run), from Linux's /proc/stat; else None."""
     try:
         with open("/proc/stat") as f:
             # user nice system idle iowait irq softirq steal
