@@ -12,8 +12,7 @@ Llama-7B-shaped layer, on this CPU.
     over MHA against the ratio of their floors, then the step's three parts alone, to see where
     its time goes; figures/decode_time.png draws the steps.
   - The copy trap, side by side: the textbook step copies each K/V head to its g query heads
-    before reading it, mha.attend_grouped reads it once, and PyTorch's fused call does the same in
-    one call.
+    before reading it; mha.attend_grouped and PyTorch's fused call read it once, in place.
   - On a GPU (NVIDIA's H100), where models run in bf16 (2-byte numbers, defined below), every
     configuration is memory-bound: arithmetic from its datasheet, not a timing.
   - A machine busy with other programs gives timings that contradict each other: the run says
@@ -266,7 +265,8 @@ def print_longest(timing, problems):
               f"{timing.flop_rate / rate:>7.1f}  {bound:<8}{floor * 1e3:>9.3f}{step * 1e3:>9.3f}"
               f"{floor / step:>8.0%}{speedup:>8.1f}x{allowed:>12.1f}x")
     if problems:
-        print("NOT TRUSTWORTHY, the machine was busy while timing: " + "; ".join(problems))
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        print(f"NOT TRUSTWORTHY, the machine was busy while timing: {problems[0]}{more}")
         return
     fewest, kind = min(steps), mha.attention_kind(h, min(steps))
     print(f"These timings hold together. {kind} reads {mha_kv // fewest}x fewer bytes than "
