@@ -1,8 +1,10 @@
 """decode.py: the roofline by hand, contradictions in made-up timings, a step without copies, the
 step's parts, a tiny run. Untimed."""
+import io
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -83,6 +85,16 @@ def test_measure_says_how_many_cores_other_programs_kept_busy(monkeypatch):
     assert decode.measure(contexts=(16,), kv_heads=(1,), rounds=1).elsewhere == 1.0
     monkeypatch.setattr(decode, "seconds_elsewhere", lambda: None)
     assert decode.measure(contexts=(16,), kv_heads=(1,), rounds=1).elsewhere == 0.0
+
+
+def test_other_programs_cpu_seconds_leave_out_idle_ticks_and_this_process_s(monkeypatch):
+    """/proc/stat's first line counts ticks, here 100 a second: user nice system idle iowait irq
+    softirq steal. 1000 busy ticks are 10 s, of which this process ran 4: others ran 6."""
+    stat = "cpu  600 100 200 5000 300 50 40 10 0 0\n"
+    monkeypatch.setattr(decode, "open", lambda path: io.StringIO(stat), raising=False)
+    monkeypatch.setattr(os, "sysconf", lambda name: 100)
+    monkeypatch.setattr(time, "process_time", lambda: 4.0)
+    assert decode.seconds_elsewhere()[1] == pytest.approx(6.0)
 
 
 # ------------------------------------------------------------------ the step that copies nothing
