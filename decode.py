@@ -6,24 +6,20 @@ Llama-7B-shaped layer, on this CPU.
     values of every token before it, kept in the KV cache (mha.py), so each step reads the whole
     cache to do little arithmetic with it: the step waits on memory. GQA and MQA keep fewer K/V
     heads, so they read fewer bytes a step.
-  - The roofline (Williams et al. 2009) turns that into a floor, max(bytes / read rate, FLOPs /
-    FLOP rate), a FLOP being one multiply or add of two floating-point numbers, with both rates
-    measured on this machine beside the steps. The run times mha.attend_grouped for MHA, GQA-8,
-    GQA-4 and MQA at 256 to 8192 cached tokens, prints each step against its floor and each
-    speed-up over MHA against the ratio of their floors, then times the step's three parts alone,
-    to show where a step with few K/V heads spends its time; figures/decode_time.png draws the
-    steps.
+  - The run times mha.attend_grouped for MHA, GQA-8, GQA-4 and MQA at 256 to 8192 cached tokens
+    against each step's roofline floor (Williams et al. 2009), from a read rate (bytes a second)
+    and a FLOP rate (multiplies and adds a second) measured beside the steps, and each speed-up
+    over MHA against the ratio of their floors, then the step's three parts alone, to see where
+    its time goes; figures/decode_time.png draws the steps.
   - The copy trap, side by side: the textbook step copies each K/V head to its g query heads
-    before reading it, mha.attend_grouped reads it once, and PyTorch's fused call does the same in
-    one call.
+    before reading it; mha.attend_grouped and PyTorch's fused call read it once, in place.
   - On a GPU (NVIDIA's H100), where models run in bf16 (2-byte numbers, defined below), every
-    configuration is memory-bound: worked out from its datasheet.
+    configuration is memory-bound: arithmetic from its datasheet, not a timing.
   - A machine busy with other programs gives timings that contradict each other: the run says
     NOT TRUSTWORTHY.
 Not here: the rest of a layer (projections, MLP: they read the weights, the same for every
-configuration), batches of requests, GPU timings (the H100's lines are arithmetic, not measured).
-Run:    python decode.py  (5 to 10 s; writes figures/decode_time.png)
-        python decode.py --out-dir /tmp/figs
+configuration), batches of requests.
+Run:    python decode.py  (5 to 10 s; writes figures/decode_time.png; --help for its one flag)
 Papers: Williams, Waterman, Patterson 2009, "Roofline" (CACM 52(4)); Shazeer 2019, MQA
         (arXiv:1911.02150); Ainslie et al. 2023, GQA (arXiv:2305.13245).
 Shapes: mha.py's: B batch, T new tokens, S keys (cached and new), h query heads, kv K/V heads,
@@ -55,7 +51,7 @@ OUT_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "figures")
 # ------------------------------------------------------------------ the roofline
 # A decode step (T = 1) of one layer: each of the h query heads scores S cached keys,
 # (1, dh) @ (dh, S), then averages S values with its weights, (1, S) @ (S, dh): S dh multiply-adds
-# each, 2 FLOPs apiece. So
+# each, 2 FLOPs (floating-point operations) apiece. So
 #     FLOPs = 4 h S dh    on    bytes = 2 kv S dh x 4    (K and V of kv heads, fp32: 4 bytes each)
 # A machine reads at most so many bytes a second and does at most so many FLOPs a second, so a step
 # takes at least
@@ -68,8 +64,7 @@ OUT_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "figures")
 # S = 8192 on a CPU reading 20 GB/s and computing 100 GFLOP/s (ridge 5):
 #     MHA (g = 1):  134 MFLOP on 268 MB: 13.4 ms reading, 1.34 ms arithmetic: memory-bound;
 #     MQA (g = 32): 134 MFLOP on 8.4 MB: 0.42 ms reading, 1.34 ms arithmetic: compute-bound,
-#     so 32x fewer bytes would make MQA at most 10x faster on that CPU. Real CPUs differ, and so
-#     does the measured speed-up (LABNOTES.md gives it on three machines).
+#     so 32x fewer bytes would make MQA at most 10x faster on that CPU.
 def decode_flops(n_heads, d_head, S):
     """FLOPs of one new token's attention over S keys, 4 h S dh.
     decode_flops(32, 128, 8192) == 134217728"""
@@ -84,8 +79,7 @@ def decode_bytes(n_kv_heads, d_head, S, bytes_per_elem=4):
 
 def roofline(flops, n_bytes, read_rate, flop_rate):
     """(floor in seconds, 'memory' or 'compute': which rate sets it).  The example above, MQA:
-    roofline(134217728, 8388608, 20e9, 100e9) == (0.00134217728, 'compute')
-    """
+    roofline(134217728, 8388608, 20e9, 100e9) == (0.00134217728, 'compute')"""
     reading, computing = n_bytes / read_rate, flops / flop_rate
     return (reading, "memory") if reading >= computing else (computing, "compute")
 
@@ -93,22 +87,17 @@ def roofline(flops, n_bytes, read_rate, flop_rate):
 # ------------------------------------------------------------------ timing one decode step
 @dataclass
 class Timing:
-    """Best seconds of each call: steps[kv][i] of mha.attend_grouped and reads[kv][i] of a sum
-    over the same K and V at contexts[i]; textbook[kv], fused[kv] and parts[kv] (q k^T, softmax,
-    p v) at the longest context; and the matmul's FLOP rate."""
+    """What measure() found: best[what, kv, S], the best seconds of each call it timed ("step",
+    "read", "textbook", "fused", "q k^T", "softmax", "p v"), and the square matmul's FLOP rate."""
     contexts: tuple
-    steps: dict
-    reads: dict
-    textbook: dict
-    fused: dict
-    parts: dict
+    kv_heads: tuple
+    best: dict
     flop_rate: float
-    rounds: int
     elsewhere: float = 0.0     # cores other programs kept busy meanwhile (0: Linux did not say)
 
     def read_rate(self, kv, S):
         """Bytes per second of a sum over this step's own K and V."""
-        return decode_bytes(kv, mha.LLAMA_D_HEAD, S) / self.reads[kv][self.contexts.index(S)]
+        return decode_bytes(kv, mha.LLAMA_D_HEAD, S) / self.best["read", kv, S]
 
     def floor(self, kv, S):
         """roofline() of the step with kv K/V heads over S cached tokens: (seconds, bound)."""
@@ -123,10 +112,9 @@ def fused(q, k, v):
     return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)      # (B, h, 1, dh)
 
 
-# mha.attend_grouped at T = 1 is three parts: the scores q k^T, their softmax, and p v. Timing each
-# alone shows where a step with few K/V heads spends its time. Each part gets its input ready-made.
 def step_parts(q, k, v):
-    """[(name, function, its arguments)] for q k^T, softmax and p v, as attend_grouped runs them."""
+    """mha.attend_grouped at T = 1 in its three parts, the scores q k^T, their softmax and p v,
+    each with its input ready-made, to be timed alone: [(name, function, its arguments)]."""
     B, h, T, dh = q.shape
     kv = k.shape[1]
     q = q.view(B, kv, h // kv, T, dh) * math.sqrt(1.0 / dh)     # (B, kv, g, T, dh)
@@ -144,11 +132,10 @@ def measure(contexts=CONTEXTS, kv_heads=KV_HEADS, rounds=ROUNDS):
     contexts, longest = tuple(sorted(contexts)), max(contexts)
     q = torch.randn(1, h, 1, dh)                           # (B, h, T, dh): one new token's queries
     a = torch.randn(MATMUL_N, MATMUL_N)
-    # Each configuration's cache, filled as a server's would be: K and V stacked,
-    # (2, B, kv, longest, dh). A step over S tokens reads cache[:, :, :, :S], K and V each
-    # (B, kv, S, dh): views of the cache, not copies.
+    # Each configuration's cache as a server fills it, K and V stacked: (2, B, kv, longest, dh).
+    # A step over S tokens reads cache[:, :, :, :S], K and V each (B, kv, S, dh): views, not copies.
     caches = {kv: torch.randn(2, 1, kv, longest, dh) for kv in kv_heads}
-    calls = [("matmul", 0, longest, torch.mm, (a, a))]     # (what, kv, S, function, its arguments)
+    calls = [("matmul", None, None, torch.mm, (a, a))]     # (what, kv, S, function, its arguments)
     # Longest context first; at each, every configuration's read, then every step: the other
     # configurations' K and V pass through the CPU's caches between a step and its own read, so
     # neither finds them there.
@@ -157,33 +144,25 @@ def measure(contexts=CONTEXTS, kv_heads=KV_HEADS, rounds=ROUNDS):
             calls.append(("read", kv, S, torch.sum, (cache[:, :, :, :S],)))
         for kv, cache in caches.items():
             calls.append(("step", kv, S, mha.attend_grouped, (q, *cache[:, :, :, :S])))
-    for kv, cache in caches.items():
-        calls.append(("textbook", kv, longest, mha.attend_textbook, (q, *cache)))
-    for kv, cache in caches.items():
-        calls.append(("fused", kv, longest, fused, (q, *cache)))
+    for what, function in [("textbook", mha.attend_textbook), ("fused", fused)]:
+        for kv, cache in caches.items():
+            calls.append((what, kv, longest, function, (q, *cache)))
     for kv, cache in caches.items():
         for name, function, args in step_parts(q, *cache):
             calls.append((name, kv, longest, function, args))
     best = {}
-    start = busy_seconds()
+    start = seconds_elsewhere()
     with torch.no_grad():
         for _ in range(rounds):
             for what, kv, S, function, args in calls:
                 t0 = time.perf_counter()
                 function(*args)
                 best[what, kv, S] = min(best.get((what, kv, S), math.inf), time.perf_counter() - t0)
-
-    elsewhere = cores_elsewhere(start)
-
-    def table(whats, at):                      # {kv: [best seconds of each what at each S]}
-        return {kv: [best[what, kv, S] for what in whats for S in at] for kv in kv_heads}
-
-    return Timing(contexts, steps=table(["step"], contexts), reads=table(["read"], contexts),
-                  textbook={kv: row[0] for kv, row in table(["textbook"], [longest]).items()},
-                  fused={kv: row[0] for kv, row in table(["fused"], [longest]).items()},
-                  parts=table(["q k^T", "softmax", "p v"], [longest]),
-                  flop_rate=2 * MATMUL_N**3 / best["matmul", 0, longest], rounds=rounds,
-                  elsewhere=elsewhere)
+    end = seconds_elsewhere()
+    # Other programs' CPU seconds per second of wall clock: the cores they kept busy meanwhile.
+    elsewhere = (end[1] - start[1]) / (end[0] - start[0]) if start and end else 0.0
+    flop_rate = 2 * MATMUL_N**3 / best["matmul", None, None]
+    return Timing(contexts, tuple(kv_heads), best, flop_rate, elsewhere)
 
 
 # ------------------------------------------------------------------ timings no quiet machine gives
@@ -194,14 +173,14 @@ def contradictions(timing, slack=0.1):
     problems = []
     if timing.elsewhere > BUSY:
         problems.append(f"other programs kept {timing.elsewhere:.1f} cores busy")
-    kinds = sorted(timing.steps, reverse=True)             # most K/V heads first
-    for i, S in enumerate(timing.contexts):
+    kinds = sorted(timing.kv_heads, reverse=True)          # most K/V heads first
+    for S in timing.contexts:
         for more, kv in zip([None] + kinds, kinds):
-            t, floor = timing.steps[kv][i], timing.floor(kv, S)[0]
+            t, floor = timing.best["step", kv, S], timing.floor(kv, S)[0]
             kind = mha.attention_kind(mha.LLAMA_HEADS, kv)
             if t < (1 - slack) * floor:
                 problems.append(f"{kind} at {S} tokens took {t / floor:.0%} of its floor")
-            if more is not None and S >= 1024 and t > (1 + slack) * timing.steps[more][i]:
+            if more is not None and S >= 1024 and t > (1 + slack) * timing.best["step", more, S]:
                 slower_than = mha.attention_kind(mha.LLAMA_HEADS, more)
                 problems.append(f"{kind} is slower than {slower_than} at {S} tokens")
     return problems
@@ -210,20 +189,17 @@ def contradictions(timing, slack=0.1):
 # ------------------------------------------------------------------ on a GPU
 # GPUs serve models in bf16 (bfloat16): 2-byte numbers with float32's range and fewer digits, so a
 # step reads half the bytes of fp32 for the same FLOPs: 4 h S dh / (4 kv S dh) = g FLOPs per byte.
-# An H100 SXM does 989e12 dense bf16 FLOPs a second and reads 3.35e12 bytes a second (NVIDIA's
-# datasheet): its ridge is 989 / 3.35, about 295 FLOPs per byte, far above any g here (1 to 32).
+# An H100's ridge (datasheet, H100 above): 989e12 / 3.35e12, 295 FLOPs per byte, far above any g.
 # A model too big for one GPU splits its heads across several GPUs (tensor parallelism): each GPU
 # holds some query heads and the K/V heads they read. With more GPUs than K/V heads, each K/V head
 # is needed on several GPUs and stored on each, so the cache per GPU shrinks less than h / kv says.
 # MQA's one K/V head is stored on every GPU: the GQA paper's case for GQA-8 over MQA on 8 or more.
 def print_gpu(S=8192):
-    """The H100, from its datasheet: every g here is far below its ridge. A GPU kernel's launch
-    takes "on the order of microseconds" (Modal's GPU Glossary, "CUDA Graph":
-    modal.com/gpu-glossary/host-software/cuda-graph)."""
+    """The comment above, computed. A GPU kernel's launch takes "on the order of microseconds"
+    (Modal's GPU Glossary, "CUDA Graph": modal.com/gpu-glossary/host-software/cuda-graph)."""
     name, flop_rate, read_rate = H100
     h, dh, fewest = mha.LLAMA_HEADS, mha.LLAMA_D_HEAD, min(KV_HEADS)
-    # g of each configuration:
-    per_byte = [decode_flops(h, dh, S) / decode_bytes(kv, dh, S, 2) for kv in KV_HEADS]
+    per_byte = [decode_flops(h, dh, S) / decode_bytes(kv, dh, S, 2) for kv in KV_HEADS]  # g
     n_bytes = decode_bytes(fewest, dh, S, 2)
     seconds, bound = roofline(decode_flops(h, dh, S), n_bytes, read_rate, flop_rate)
     print(f"\nOn an {name} ({flop_rate / 1e12:.0f} TFLOP/s dense bf16, "
@@ -240,8 +216,7 @@ def print_gpu(S=8192):
 def main(argv=None):
     args = parse_args(argv)
     try:
-        # A folder that cannot be made ends the run here, before any timing.
-        os.makedirs(args.out_dir, exist_ok=True)
+        os.makedirs(args.out_dir, exist_ok=True)       # before any timing
     except OSError as e:
         print(f"decode.py: error: --out-dir {args.out_dir} cannot be made: {e.strerror}",
               file=sys.stderr)
@@ -264,47 +239,43 @@ def main(argv=None):
 
 # ------------------------------------------------------------------ the tables and the figure
 def print_steps(timing):
-    """Every step's time and the share of its floor it reaches (floor / time: 100 % is the
-    floor)."""
+    """Every step's time, and the share of its floor it reaches: floor / time."""
     print(f"\nStep time in ms (share of its floor reached), by cached tokens S; matmul "
           f"{timing.flop_rate / 1e9:.0f} GFLOP/s:")
     print("config " + "".join(f"{S:>14}" for S in timing.contexts))
-    for kv, row in timing.steps.items():
-        shares = [timing.floor(kv, S)[0] / t for S, t in zip(timing.contexts, row)]
-        cells = [f"{t * 1e3:.3f} ({share:.0%})" for t, share in zip(row, shares)]
+    for kv in timing.kv_heads:
+        times = [(timing.best["step", kv, S], timing.floor(kv, S)[0]) for S in timing.contexts]
+        cells = [f"{t * 1e3:.3f} ({floor / t:.0%})" for t, floor in times]
         print(f"{mha.attention_kind(mha.LLAMA_HEADS, kv):<7}" + "".join(f"{c:>14}" for c in cells))
 
 
 def print_longest(timing, problems):
-    """The longest context in detail: bytes, rates, the floor, and each speed-up over MHA against
-    the ratio of the floors."""
-    h, S, mha_kv = mha.LLAMA_HEADS, max(timing.contexts), max(timing.steps)
+    """The longest context in detail, each speed-up over MHA beside what the floors allow."""
+    h, S, mha_kv = mha.LLAMA_HEADS, max(timing.contexts), max(timing.kv_heads)
+    steps = {kv: timing.best["step", kv, S] for kv in timing.kv_heads}
     print(f"\nAt {S} tokens: floor = max(bytes / read rate, FLOPs / matmul rate), the read rate a "
           "sum's over the step's own K and V")
     print(f"{'config':<7}{'K+V MB':>8}{'FLOP/byte':>10}{'read GB/s':>10}{'ridge':>7}  {'bound':<8}"
           f"{'floor ms':>9}{'step ms':>9}{'reaches':>8}{'speed-up':>9}{'floors allow':>13}")
-    for kv, row in timing.steps.items():
+    for kv, step in steps.items():
         (floor, bound), rate = timing.floor(kv, S), timing.read_rate(kv, S)
-        speedup, allowed = timing.steps[mha_kv][-1] / row[-1], timing.floor(mha_kv, S)[0] / floor
+        speedup, allowed = steps[mha_kv] / step, timing.floor(mha_kv, S)[0] / floor
         mb = decode_bytes(kv, mha.LLAMA_D_HEAD, S) / 1e6
         print(f"{mha.attention_kind(h, kv):<7}{mb:>8.1f}{h / kv / 2:>10.1f}{rate / 1e9:>10.1f}"
-              f"{timing.flop_rate / rate:>7.1f}  {bound:<8}{floor * 1e3:>9.3f}{row[-1] * 1e3:>9.3f}"
-              f"{floor / row[-1]:>8.0%}{speedup:>8.1f}x{allowed:>12.1f}x")
+              f"{timing.flop_rate / rate:>7.1f}  {bound:<8}{floor * 1e3:>9.3f}{step * 1e3:>9.3f}"
+              f"{floor / step:>8.0%}{speedup:>8.1f}x{allowed:>12.1f}x")
     if problems:
         more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
         print(f"NOT TRUSTWORTHY, the machine was busy while timing: {problems[0]}{more}")
         return
-    fewest, kind = min(timing.steps), mha.attention_kind(h, min(timing.steps))
+    fewest, kind = min(steps), mha.attention_kind(h, min(steps))
     print(f"These timings hold together. {kind} reads {mha_kv // fewest}x fewer bytes than "
-          f"{mha.attention_kind(h, mha_kv)} and is "
-          f"{timing.steps[mha_kv][-1] / timing.steps[fewest][-1]:.1f}x faster; its floor allows "
-          f"{timing.floor(mha_kv, S)[0] / timing.floor(fewest, S)[0]:.1f}x.")
+          f"{mha.attention_kind(h, mha_kv)} and is {steps[mha_kv] / steps[fewest]:.1f}x faster; "
+          f"its floor allows {timing.floor(mha_kv, S)[0] / timing.floor(fewest, S)[0]:.1f}x.")
 
 
 def print_parts(timing):
-    """The step's three parts at the longest context, each timed alone: each product's time, its
-    rate in FLOPs and in bytes of K or V read, the softmax's time, and the parts' sum against the
-    step."""
+    """The step's three parts at the longest context, each timed alone."""
     h, dh, S = mha.LLAMA_HEADS, mha.LLAMA_D_HEAD, max(timing.contexts)
     print(f"\nThe step's parts at {S} tokens, timed alone, ms: q k^T and p v, products of g query "
           "rows a K/V head, each with\nits GFLOP/s (the square matmul's: "
@@ -313,25 +284,25 @@ def print_parts(timing):
     print(f"{'config':<7}{'q k^T':>8}{'GFLOP/s':>9}{'GB/s':>6}{'softmax':>9}{'p v':>8}"
           f"{'GFLOP/s':>9}{'GB/s':>6}{'parts / step':>14}")
     flops = 2 * h * S * dh                                 # of one product
-    for kv, (scores, softmax, values) in timing.parts.items():
+    for kv in timing.kv_heads:
+        scores, softmax, values = [timing.best[part, kv, S] for part in ("q k^T", "softmax", "p v")]
         n_bytes = kv * S * dh * 4                          # of K, or of V: what one product reads
         cells = [f"{t * 1e3:>8.3f}{flops / t / 1e9:>9.0f}{n_bytes / t / 1e9:>6.0f}"
                  for t in (scores, values)]
-        parts = (scores + softmax + values) / timing.steps[kv][-1]
+        parts = (scores + softmax + values) / timing.best["step", kv, S]
         print(f"{mha.attention_kind(h, kv):<7}{cells[0]}{softmax * 1e3:>9.3f}{cells[1]}"
               f"{parts:>14.2f}")
 
 
 def print_copy_trap(timing):
-    """The textbook step (repeat_interleave copies the cache to h heads), the grouped step, the
-    fused call."""
+    """The textbook step, the grouped step and the fused call, side by side."""
     S = max(timing.contexts)
     print(f"\nThe copy trap at {S} tokens, ms: the textbook's repeat_interleave writes each K/V "
           "head out to its g query heads\n(a copy of the cache even for MHA, g = 1), "
           "mha.attend_grouped reads it in place, the fused call too (enable_gqa=True)")
     print(f"{'config':<7}{'textbook':>10}{'grouped':>9}{'fused':>8}")
-    for kv, row in timing.steps.items():
-        book, grouped, one_call = timing.textbook[kv], row[-1], timing.fused[kv]
+    for kv in timing.kv_heads:
+        book, grouped, one_call = (timing.best[w, kv, S] for w in ("textbook", "step", "fused"))
         kind = mha.attention_kind(mha.LLAMA_HEADS, kv)
         print(f"{kind:<7}{book * 1e3:>10.2f}{grouped * 1e3:>9.2f}"
               f"{one_call * 1e3:>8.2f}   grouped {book / grouped:.0f}x faster than copying, "
@@ -347,8 +318,9 @@ def plot(timing, problems):
     left, right = fig.subplots(1, 2)
     fig.subplots_adjust(left=0.06, right=0.98, bottom=0.11, top=0.84, wspace=0.22)
     intensity = [2.0 ** e for e in range(-3, 10)]          # FLOPs per byte, 1/8 to 512
-    for i, (kv, row) in enumerate(timing.steps.items()):
+    for i, kv in enumerate(timing.kv_heads):
         kind, color = mha.attention_kind(h, kv), f"C{i}"
+        row = [timing.best["step", kv, s] for s in timing.contexts]
         left.plot(timing.contexts, [t * 1e3 for t in row], marker="o", color=color,
                   label=f"{kind} measured")
         floors = [timing.floor(kv, s)[0] * 1e3 for s in timing.contexts]
@@ -381,19 +353,15 @@ def plot(timing, problems):
 
 def log_axes(ax, xticks, yticks, x_label, y_label):
     """Log-log axes with ticks at fixed places, labelled in plain numbers."""
-    ax.set_xscale("log")
-    ax.set_yscale("log")
+    ax.set(xscale="log", yscale="log", xlabel=x_label, ylabel=y_label)
     ax.set_xticks(xticks, [f"{t:g}" for t in xticks])
     ax.set_yticks(yticks, [f"{t:g}" for t in yticks])
     ax.minorticks_off()
-    ax.set_xlabel(x_label)
-    ax.set_ylabel(y_label)
 
 
 # ------------------------------------------------------------------ plumbing
 def machine_name():
-    """The CPU, as Linux names it, and PyTorch's threads: the figure and the table say where they
-    were timed."""
+    """The CPU, as Linux names it, and PyTorch's threads: where the timings were taken."""
     import platform
     name = platform.processor() or platform.machine()
     if os.path.exists("/proc/cpuinfo"):
@@ -404,9 +372,8 @@ def machine_name():
     return f"{name}, {threads} thread{'s' if threads > 1 else ''}"
 
 
-def busy_seconds():
-    """(wall clock, CPU seconds all programs ran, CPU seconds this process ran) from Linux's
-    /proc/stat; else None."""
+def seconds_elsewhere():
+    """(wall clock, CPU seconds other programs have run), from Linux's /proc/stat; else None."""
     try:
         with open("/proc/stat") as f:
             # user nice system idle iowait irq softirq steal
@@ -414,16 +381,7 @@ def busy_seconds():
     except OSError:
         return None
     busy = (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
-    return time.perf_counter(), busy, time.process_time()
-
-
-def cores_elsewhere(start):
-    """How many cores other programs kept busy, on average, since start = busy_seconds(); 0 if
-    unknown."""
-    end = busy_seconds()
-    if start is None or end is None:
-        return 0.0
-    return max(0.0, ((end[1] - start[1]) - (end[2] - start[2])) / (end[0] - start[0]))
+    return time.perf_counter(), busy - time.process_time()
 
 
 def parse_args(argv=None):

@@ -1,8 +1,10 @@
 """decode.py: the roofline by hand, contradictions in made-up timings, a step without copies, the
 step's parts, a tiny run. Untimed."""
+import io
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -37,13 +39,15 @@ def test_roofline_takes_the_slower_of_reading_and_computing():
 def fake_timing(read_rate=40e9, flop_rate=160e9, contexts=(512, 1024, 8192), slower=1.5):
     """A Timing as a quiet machine would give it: every K and V read at read_rate, every step
     `slower` x its floor, its parts at the longest context 0.4, 0.1 and 0.4 of the step."""
-    kv_heads = [kv for _, kv in KINDS]
-    reads = {kv: [decode.decode_bytes(kv, 128, S) / read_rate for S in contexts] for kv in kv_heads}
-    textbook, fused = {kv: 0.07 for kv in kv_heads}, {kv: 0.004 for kv in kv_heads}
-    timing = decode.Timing(contexts, {}, reads, textbook, fused, {}, flop_rate, rounds=3)
-    timing.steps = {kv: [slower * timing.floor(kv, S)[0] for S in contexts] for kv in kv_heads}
-    timing.parts = {kv: [share * row[-1] for share in (0.4, 0.1, 0.4)]
-                    for kv, row in timing.steps.items()}
+    timing = decode.Timing(contexts, tuple(kv for _, kv in KINDS), {}, flop_rate)
+    best, S = timing.best, max(contexts)
+    for kv in timing.kv_heads:
+        for s in contexts:
+            best["read", kv, s] = decode.decode_bytes(kv, 128, s) / read_rate
+            best["step", kv, s] = slower * timing.floor(kv, s)[0]
+        best["textbook", kv, S], best["fused", kv, S] = 0.07, 0.004
+        for part, share in [("q k^T", 0.4), ("softmax", 0.1), ("p v", 0.4)]:
+            best[part, kv, S] = share * best["step", kv, S]
     return timing
 
 
@@ -51,7 +55,7 @@ def test_a_step_s_floor_comes_from_its_own_heads_and_its_own_read():
     timing = fake_timing(contexts=(512, 8192))        # 40 GB/s, 160 GFLOP/s
     assert timing.floor(32, 8192) == (268435456 / 40e9, "memory")     # MHA: 268 MB at 40 GB/s
     assert timing.floor(1, 8192) == (134217728 / 160e9, "compute")    # MQA: 134 MFLOP, 160 GFLOP/s
-    timing.reads[1][0] /= 4                      # MQA's K and V at 512 tokens read 4x faster
+    timing.best["read", 1, 512] /= 4             # MQA's K and V at 512 tokens read 4x faster
     assert timing.read_rate(1, 512) == pytest.approx(160e9)
     assert timing.read_rate(1, 8192) == pytest.approx(40e9)
 
@@ -60,26 +64,37 @@ def test_a_step_s_floor_comes_from_its_own_heads_and_its_own_read():
 def test_contradictions_of_made_up_timings():
     timing = fake_timing()
     assert decode.contradictions(timing) == []
-    timing.steps[32][2] *= 0.5                   # MHA at 8192 tokens: 0.75 of its floor
-    timing.steps[1][1] *= 20                     # MQA at 1024 tokens: slower than GQA-4
+    timing.best["step", 32, 8192] *= 0.5         # MHA at 8192 tokens: 0.75 of its floor
+    timing.best["step", 1, 1024] *= 20           # MQA at 1024 tokens: slower than GQA-4
     assert decode.contradictions(timing) == ["MQA is slower than GQA-4 at 1024 tokens",
                                              "MHA at 8192 tokens took 75% of its floor"]
     # Within the 10 % a quiet machine's rates may wobble; and at 512 tokens a step is mostly fixed
     # costs, so the order of the configurations is not checked there.
     timing = fake_timing(slower=0.95)
-    timing.steps[1][0] *= 20
+    timing.best["step", 1, 512] *= 20
     assert decode.contradictions(timing) == []
     timing.elsewhere = 0.9                       # another program held most of a core throughout
     assert decode.contradictions(timing) == ["other programs kept 0.9 cores busy"]
 
 
-def test_cores_elsewhere_is_the_machine_s_busy_time_less_this_process_s(monkeypatch):
-    """(wall, machine busy, own) from (0, 10, 2) to (2, 13, 3): others used 3 - 1 = 2 CPU seconds
-    in 2 s."""
-    monkeypatch.setattr(decode, "busy_seconds", lambda: (2.0, 13.0, 3.0))
-    assert decode.cores_elsewhere((0.0, 10.0, 2.0)) == 1.0
-    assert decode.cores_elsewhere((0.0, 12.0, 1.0)) == 0.0          # all of it this process's own
-    assert decode.cores_elsewhere(None) == 0.0              # not measurable: nothing claimed
+def test_measure_says_how_many_cores_other_programs_kept_busy(monkeypatch):
+    """(wall clock, CPU seconds of other programs) from (0, 8) to (2, 10): 2 CPU seconds in 2 s,
+    one core; nothing claimed where Linux's /proc/stat is not there."""
+    clock = iter([(0.0, 8.0), (2.0, 10.0)])
+    monkeypatch.setattr(decode, "seconds_elsewhere", lambda: next(clock))
+    assert decode.measure(contexts=(16,), kv_heads=(1,), rounds=1).elsewhere == 1.0
+    monkeypatch.setattr(decode, "seconds_elsewhere", lambda: None)
+    assert decode.measure(contexts=(16,), kv_heads=(1,), rounds=1).elsewhere == 0.0
+
+
+def test_other_programs_cpu_seconds_leave_out_idle_ticks_and_this_process_s(monkeypatch):
+    """/proc/stat's first line counts ticks, here 100 a second: user nice system idle iowait irq
+    softirq steal. 1000 busy ticks are 10 s, of which this process ran 4: others ran 6."""
+    stat = "cpu  600 100 200 5000 300 50 40 10 0 0\n"
+    monkeypatch.setattr(decode, "open", lambda path: io.StringIO(stat), raising=False)
+    monkeypatch.setattr(os, "sysconf", lambda name: 100)
+    monkeypatch.setattr(time, "process_time", lambda: 4.0)
+    assert decode.seconds_elsewhere()[1] == pytest.approx(6.0)
 
 
 # ------------------------------------------------------------------ the step that copies nothing
@@ -130,11 +145,14 @@ def test_each_timed_call_gets_its_own_configuration_s_cache_and_context(monkeypa
     one_round += [("textbook", (1, kv, 32, 128)) for kv in (32, 1)]
     one_round += [("fused", (1, kv, 32, 128)) for kv in (32, 1)]
     assert timed == 2 * one_round
-    assert timing.contexts == (16, 32) and list(timing.steps) == list(timing.reads) == [32, 1]
-    rows = [*timing.steps.values(), *timing.reads.values()]
-    assert all(len(row) == 2 and min(row) > 0 for row in rows)
-    assert list(timing.parts) == [32, 1]
-    assert all(len(row) == 3 and min(row) > 0 for row in timing.parts.values())
+    # Every call's best time is kept under what it timed, with its own kv and S.
+    assert timing.contexts == (16, 32) and timing.kv_heads == (32, 1)
+    at_longest = ["textbook", "fused", "q k^T", "softmax", "p v"]
+    keys = [("matmul", None, None)] + [(what, kv, S) for what in ("read", "step")
+                                       for kv in (32, 1) for S in (16, 32)]
+    keys += [(what, kv, 32) for what in at_longest for kv in (32, 1)]
+    assert sorted(timing.best, key=str) == sorted(keys, key=str)
+    assert min(timing.best.values()) > 0
 
 
 @pytest.mark.parametrize("kv", [32, 4, 1])
@@ -249,7 +267,8 @@ def test_the_figure_draws_steps_floors_dots_and_a_busy_machine():
     left, right = fig.axes
     for i, (_, kv) in enumerate(KINDS):     # each configuration's times, then its floor, dashed
         measured, floor = left.lines[2 * i], left.lines[2 * i + 1]
-        assert list(measured.get_ydata()) == pytest.approx([t * 1e3 for t in timing.steps[kv]])
+        steps = [timing.best["step", kv, S] * 1e3 for S in timing.contexts]
+        assert list(measured.get_ydata()) == pytest.approx(steps)
         floors = [timing.floor(kv, S)[0] * 1e3 for S in timing.contexts]
         assert list(floor.get_ydata()) == pytest.approx(floors)
     dots = [line for line in right.lines if line.get_marker() == "o"]
