@@ -385,7 +385,7 @@ def seconds_elsewhere():
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.strip().split("\n\n")[0])
     parser.add_argument("--out-dir", default=OUT_DIR,
                         help="folder for decode_time.png (default: figures/)")
     return parser.parse_args(argv)
