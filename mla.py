@@ -111,9 +111,9 @@ def latent_attend(query, kv, d_latent, scale):
 
 @dataclass
 class LatentCache:
-    """What MLA keeps of every past token, nothing per head: kv (B, max_len, dc + dr), row t holding
-    token t's [c_t; k_R,t], the latent and the turned RoPE key. Only the first `length` rows hold
-    tokens."""
+    """What MLA keeps of every past token, nothing per head: kv (B, max_len, dc + dr), row t
+    holding token t's [c_t; k_R,t], the latent and the turned RoPE key. Only the first `length`
+    rows hold tokens."""
     kv: torch.Tensor
     length: int = 0
 
@@ -253,8 +253,7 @@ def prompt_chunks(T):
 
 
 def cached_vs_full(attn, x, absorbed, chunks):
-    """x fed in `chunks` of (start, end) through a cache, against one full forward: relative
-    difference."""
+    """Relative difference of x fed through a cache in `chunks` (start, end) and in one forward."""
     cache = attn.new_cache(x.shape[0], x.shape[1])
     with torch.no_grad():
         steps = [attn(x[:, start:end], cache=cache, absorbed=absorbed) for start, end in chunks]
@@ -306,8 +305,7 @@ def turned_keys_gap(attn, x):
 
 
 def run_checks(seed):
-    """The evidence that the algebra of absorption holds in code, and what a turned content key
-    would do."""
+    """Evidence that absorption's algebra holds in code, and what a turned content key would do."""
     print(f"1. Checks (B={BATCH}, T={SEQ_LEN}, d={D_MODEL}, h={N_HEADS}, dh={D_HEAD}, "
           f"dc={D_LATENT}, dr={D_ROPE})")
     (attn64, x64), (attn32, x32) = demo_module(seed, torch.float64), demo_module(seed)
@@ -354,8 +352,7 @@ def cache_rows(layers, h, dh, dc, dr):
 
 
 def print_cache_table():
-    """Section 2: the cache of DeepSeek's models under each kind of attention, and what MLA
-    keeps."""
+    """Section 2: the cache of DeepSeek's models under each attention, and what MLA keeps."""
     layers, h, dh, dc, dr = DEEPSEEK["DeepSeek-V2"]
     n = latent_cache_bytes(layers, dc, dr, CACHE_TOKENS, bytes_per_elem=CACHE_BYTES_PER_ELEM)
     n_mha = mha.kv_cache_bytes(layers, h, dh, CACHE_TOKENS, bytes_per_elem=CACHE_BYTES_PER_ELEM)
@@ -384,8 +381,7 @@ def print_cache_table():
 
 
 def plot_cache():
-    """The figure: numbers (and bytes) cached per token and layer at DeepSeek-V2's shapes, on a log
-    scale."""
+    """The figure: numbers and bytes cached per token-layer at DeepSeek-V2's shapes, log scale."""
     from matplotlib.figure import Figure  # here, so that importing mla stays quick
     _, h, dh, dc, dr = DEEPSEEK["DeepSeek-V2"]
     rows = cache_rows(0, h, dh, dc, dr)[:4]                # MHA, GQA-8, MQA, MLA
