@@ -162,7 +162,7 @@ class LatentAttention(nn.Module):
         # A bad call ends in one sentence, before anything is written.
         check_call(self, x, cache)
         B, T, _ = x.shape
-        start = 0 if cache is None else cache.length        # the new tokens' first position
+        start = 0 if cache is None else cache.length              # the new tokens' first position
         positions = torch.arange(start, start + T)
         h, dh, dr = self.n_heads, self.d_head, self.d_rope
         q = self.w_q(x).view(B, T, h, dh).transpose(1, 2)         # (B, T, h, dh) -> (B, h, T, dh)
@@ -172,7 +172,7 @@ class LatentAttention(nn.Module):
         k_rope = rope(self.w_kr(x), positions)                    # (B, T, dr): one for all heads
         kv = torch.cat([c, k_rope], dim=-1)                       # (B, T, dc + dr): [c; k_R]
         if cache is not None:
-            kv = cache.append(kv)                           # (B, S, dc + dr), S = cached + T
+            kv = cache.append(kv)                                 # (B, S, dc + dr), S = cached + T
         if absorbed:
             o = self.absorbed_attention(q, q_rope, kv)
         else:
