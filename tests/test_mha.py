@@ -1,4 +1,5 @@
-"""The lesson of mha.py: the mask, the formula, the grouped form, the cache, and the module against PyTorch."""
+"""The lesson of mha.py: the mask, the formula, the grouped form, the cache, and the module against
+PyTorch."""
 
 import numpy as np
 import pytest
@@ -19,13 +20,14 @@ def torch_mha(d, h, dtype=torch.float32, bias=True, seed=0):
     return mha.random_biases(ref).eval()
 
 
-# ----------------------------------------------------------------------------- exact: the same operations as PyTorch
+# ------------------------------------------------------------------ exact: as PyTorch computes it
 @pytest.mark.parametrize("seed", range(4))
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_mha_is_bit_identical_to_torch_at_the_demos_shapes(seed, bias, dtype):
-    """The claim the tutorial is built on: written out against need_weights=True (output and weights), fused against
-    need_weights=False, 0.0 on one sequence at the demo's shapes. CI runs it again on other MKL code paths."""
+    """The claim the tutorial is built on: written out against need_weights=True (output and
+    weights), fused against need_weights=False, 0.0 on one sequence at the demo's shapes. CI runs it
+    again on other MKL code paths."""
     ref = torch_mha(*DEMO, dtype=dtype, bias=bias, seed=seed)
     x = torch.randn(1, T_DEMO, mha.D_MODEL, dtype=dtype)
     assert mha.differences(mha.from_torch(ref), ref, x) == [0.0, 0.0, 0.0]
@@ -68,7 +70,7 @@ def test_to_torch_inverts_from_torch_and_widens_kv_heads_in_repeat_interleave_or
     assert torch.equal(wide[64:128], torch.cat([k[:16], k[:16], k[16:], k[16:]]))
 
 
-# ----------------------------------------------------------------------------- the mask, the formula, the grouped form
+# ------------------------------------------------------------------ the mask, the formula, grouping
 @pytest.mark.parametrize("T, S", [(3, 3), (2, 3), (1, 5), (4, 9)])
 def test_causal_mask_aligns_new_tokens_bottom_right(T, S):
     mask = mha.causal_mask(T, S)
@@ -81,7 +83,8 @@ def test_the_one_head_example_is_the_readmes_by_hand():
     k = torch.tensor([[1., 0.], [0., 1.], [1., 1.]])
     q = torch.tensor([[1., 0.], [1., 0.], [1., 0.]])
     o, p = mha.attend_one_head(q, k, k)
-    assert torch.allclose(p, torch.tensor([[1.0, 0, 0], [0.67, 0.33, 0], [0.40, 0.20, 0.40]]), atol=0.005)
+    by_hand = torch.tensor([[1.0, 0, 0], [0.67, 0.33, 0], [0.40, 0.20, 0.40]])
+    assert torch.allclose(p, by_hand, atol=0.005)
     assert torch.allclose(o[2], torch.tensor([0.8022, 0.5989]), atol=1e-4)
 
 
@@ -116,14 +119,15 @@ def test_weights_are_causal_distributions_and_the_future_does_not_change_the_pas
         y_changed = attn(torch.cat([x[:, :7], torch.randn(2, T_DEMO - 7, mha.D_MODEL)], dim=1))
     assert torch.allclose(p.sum(-1), torch.ones(2, 8, T_DEMO))
     assert (p.masked_select(mha.causal_mask(T_DEMO, T_DEMO) < 0) == 0).all()
-    assert (y[:, :7] - y_changed[:, :7]).abs().max() <= mha.TOLERANCE and (y[:, 7:] - y_changed[:, 7:]).abs().max() > 0.01
+    assert (y[:, :7] - y_changed[:, :7]).abs().max() <= mha.TOLERANCE
+    assert (y[:, 7:] - y_changed[:, 7:]).abs().max() > 0.01
 
 
 def test_attention_kind_names_the_kv_heads():
     assert [mha.attention_kind(32, kv) for kv in (32, 8, 4, 1)] == ["MHA", "GQA-8", "GQA-4", "MQA"]
 
 
-# ----------------------------------------------------------------------------- the cache
+# ------------------------------------------------------------------ the cache
 @pytest.mark.parametrize("kv", [8, 2, 1])
 @pytest.mark.parametrize("chunks", [[6, 2, 1, 1, 1, 1], [1] * 12, [12]])
 @pytest.mark.parametrize("fused", [False, True])
@@ -143,17 +147,18 @@ def test_cached_decoding_matches_the_full_forward(kv, chunks, fused):
 def test_a_cache_holds_the_bytes_of_the_formula(kv):
     cache = mha.CausalMHA(*DEMO, kv).new_cache(batch=3, max_len=100)
     assert cache.k.shape == (3, kv, 100, 32) and cache.k.dtype == torch.float32
-    assert cache.k.nbytes + cache.v.nbytes == mha.kv_cache_bytes(1, kv, 32, 100, batch=3, bytes_per_elem=4)
+    want = mha.kv_cache_bytes(1, kv, 32, 100, batch=3, bytes_per_elem=4)
+    assert cache.k.nbytes + cache.v.nbytes == want
 
 
 def test_kv_cache_bytes_of_the_seeds_examples():
-    assert mha.kv_cache_bytes(32, 32, 128, 4096) == 2_147_483_648           # Llama-7B shape, MHA: 2.15 GB
-    assert round(mha.kv_cache_bytes(32, 1, 128, 4096) / 1e9, 2) == 0.07      # MQA: 32x less
-    for kv, gb in [(64, 10.7), (8, 1.34), (1, 0.17)]:                        # Llama-2-70B as MHA, GQA-8, MQA
+    assert mha.kv_cache_bytes(32, 32, 128, 4096) == 2_147_483_648    # Llama-7B shape, MHA: 2.15 GB
+    assert round(mha.kv_cache_bytes(32, 1, 128, 4096) / 1e9, 2) == 0.07  # MQA: 32x less
+    for kv, gb in [(64, 10.7), (8, 1.34), (1, 0.17)]:                 # Llama-2-70B: MHA, GQA-8, MQA
         assert round(mha.kv_cache_bytes(80, kv, 128, 4096) / 1e9, 2 if gb < 10 else 1) == gb
 
 
-# ----------------------------------------------------------------------------- bad input: one sentence, nothing written
+# ------------------------------------------------------------------ refusals, before any write
 @pytest.mark.parametrize("d, h, kv, error, words", [
     (250, 8, 4, ValueError, ["d_model=250", "multiple of n_heads=8"]),
     (256, 8, 3, ValueError, ["n_kv_heads=3", "divide n_heads=8"]),
@@ -176,7 +181,8 @@ def test_numpy_whole_numbers_are_sizes():
     (torch.randn(2, 5), ValueError, ["(B, T, d_model=256)", "(2, 5)"]),
     (torch.randn(1, 5, 128), ValueError, ["(1, 5, 128)"]),
     (torch.randn(1, 0, 256), ValueError, ["(1, 0, 256)"]),
-    (torch.randn(1, 5, 256, dtype=torch.float64), TypeError, ["torch.float64", "torch.float32", ".to()"]),
+    (torch.randn(1, 5, 256, dtype=torch.float64), TypeError,
+     ["torch.float64", "torch.float32", ".to()"]),
     (torch.empty(1, 5, 256, device="meta"), TypeError, ["on meta", "on cpu"]),
 ])
 def test_a_wrong_x_is_refused_in_one_sentence(x, error, words):
@@ -204,8 +210,10 @@ def test_a_cache_that_would_overflow_or_does_not_fit_is_refused_before_it_is_wri
     cache = attn.new_cache(2, 8)
     with torch.no_grad():
         attn(torch.randn(2, 6, 256), cache=cache)
-        refused_without_a_write(attn, cache, torch.randn(2, 3, 256), ValueError, ["holds 6 of its 8", "3 more"])
-        refused_without_a_write(attn, cache, torch.randn(1, 1, 256), ValueError, ["(2, 2, 8, 32)", "(1, 2, 8, 32)"])
+        refused_without_a_write(attn, cache, torch.randn(2, 3, 256), ValueError,
+                                ["holds 6 of its 8", "3 more"])
+        refused_without_a_write(attn, cache, torch.randn(1, 1, 256), ValueError,
+                                ["(2, 2, 8, 32)", "(1, 2, 8, 32)"])
         other = gqa_module(*DEMO, 4).eval()
         refused_without_a_write(other, cache, torch.randn(2, 1, 256), ValueError, ["new_cache()"])
         attn(torch.randn(2, 2, 256), cache=cache)           # exactly full is fine
@@ -217,11 +225,13 @@ def test_a_cache_in_another_dtype_or_on_another_device_is_refused_before_it_is_w
     cache = attn.new_cache(1, 8)
     with torch.no_grad():
         attn(torch.randn(1, 3, 256), cache=cache)
-        attn.double()                                       # the module converted after its cache was made
+        # The module converted after its cache was made:
+        attn.double()
         refused_without_a_write(attn, cache, torch.randn(1, 2, 256, dtype=torch.float64), TypeError,
                                 ["torch.float32", "torch.float64", "new_cache()"])
         attn.float()
-        elsewhere = mha.KVCache(*torch.zeros(2, 1, 2, 8, 32, device="meta"))   # a meta tensor stands in for a GPU
+        # A meta tensor stands in for a GPU:
+        elsewhere = mha.KVCache(*torch.zeros(2, 1, 2, 8, 32, device="meta"))
         with pytest.raises(TypeError, match="meta"):
             attn(torch.randn(1, 1, 256), cache=elsewhere)
         assert elsewhere.length == 0

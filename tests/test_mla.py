@@ -1,4 +1,5 @@
-"""mla.py: absorption, the MQA identity, RoPE, cached decoding, cache bytes, refusals, the run and its figure."""
+"""mla.py: absorption, the MQA identity, RoPE, cached decoding, cache bytes, refusals, the run and
+its figure."""
 
 import contextlib
 import importlib
@@ -28,8 +29,9 @@ def run_main(argv, capsys):
     return conftest.run_main(mla.main, argv, capsys)
 
 
-# ----------------------------------------------------------------------------- absorption and the MQA identity
-@pytest.mark.parametrize("sizes", [{}, {"dc": 4, "dh": 16}, {"h": 1, "dr": 2}, {"dc": 64, "dr": 16}])
+# ------------------------------------------------------------------ absorption and the MQA identity
+@pytest.mark.parametrize("sizes",
+                         [{}, {"dc": 4, "dh": 16}, {"h": 1, "dr": 2}, {"dc": 64, "dr": 16}])
 def test_absorbed_equals_naive_in_float64(sizes):
     attn = module(**sizes)
     for T in (1, 2, 9):
@@ -38,7 +40,8 @@ def test_absorbed_equals_naive_in_float64(sizes):
 
 
 def test_the_absorbed_path_never_builds_a_key_or_a_value():
-    """W_UK and W_UV enter only as weights, folded into the query and the output: their forward never runs."""
+    """W_UK and W_UV enter only as weights, folded into the query and the output: their forward
+    never runs."""
     attn = module()
     x = inputs(attn, T=5)
     attn.w_uk.forward = attn.w_uv.forward = None          # calling either now raises a TypeError
@@ -56,10 +59,11 @@ def test_the_decode_step_is_pytorchs_mqa_with_one_kv_head():
     assert mla.mqa_identity_gap(attn, inputs(attn, T=9)) <= 1e-12
 
 
-# ----------------------------------------------------------------------------- RoPE, and why it is decoupled
+# ------------------------------------------------------------------ RoPE, and why it is decoupled
 def test_rope_turns_pairs_and_scores_depend_only_on_the_distance():
-    out = mla.rope(torch.tensor([[1.0, 0.0, 1.0, 0.0]], dtype=torch.float64), torch.tensor([1]))   # pair i turns by
-    want = [math.cos(1), math.sin(1), math.cos(0.01), math.sin(0.01)]                    # 10000^(-2i / 4) radians
+    # Pair i turns by 10000^(-2i / 4) radians at position 1.
+    out = mla.rope(torch.tensor([[1.0, 0.0, 1.0, 0.0]], dtype=torch.float64), torch.tensor([1]))
+    want = [math.cos(1), math.sin(1), math.cos(0.01), math.sin(0.01)]
     assert torch.allclose(out, torch.tensor([want], dtype=torch.float64), rtol=0, atol=1e-15)
     torch.manual_seed(0)
     q, k = torch.randn(1, 8, dtype=torch.float64), torch.randn(1, 8, dtype=torch.float64)
@@ -74,13 +78,14 @@ def test_rope_turns_pairs_and_scores_depend_only_on_the_distance():
 def test_turned_content_keys_change_the_absorbed_scores():
     attn = module()
     assert mla.turned_keys_gap(attn, inputs(attn, T=6)) > 0.1
-    assert mla.turned_keys_gap(attn, inputs(attn, T=1)) <= 1e-12     # position 0 turns nothing: the gap is the turn
+    # Position 0 turns nothing: the gap is the turn.
+    assert mla.turned_keys_gap(attn, inputs(attn, T=1)) <= 1e-12
 
 
-# ----------------------------------------------------------------------------- cached decoding
+# ------------------------------------------------------------------ cached decoding
 @pytest.mark.parametrize("absorbed", [False, True])
-@pytest.mark.parametrize("chunks", [[(0, 7)], [(t, t + 1) for t in range(7)], [(0, 3), (3, 4), (4, 5), (5, 7)],
-                                    mla.prompt_chunks(7)])
+@pytest.mark.parametrize("chunks", [[(0, 7)], [(t, t + 1) for t in range(7)],
+                                    [(0, 3), (3, 4), (4, 5), (5, 7)], mla.prompt_chunks(7)])
 def test_cached_decoding_equals_one_full_forward(absorbed, chunks):
     attn = module(dtype=torch.float32)
     assert mla.cached_vs_full(attn, inputs(attn), absorbed, chunks) <= 1e-5
@@ -98,8 +103,9 @@ def test_cached_decoding_fills_the_cache_with_every_tokens_latent_and_turned_key
     assert torch.allclose(cache.kv[:, :5], torch.cat([c, k_rope], dim=-1), rtol=0, atol=1e-14)
 
 
-# ----------------------------------------------------------------------------- the cache, in bytes
-@pytest.mark.parametrize("B, max_len, dtype", [(1, 512, torch.float32), (3, 17, torch.float64), (2, 5, torch.bfloat16)])
+# ------------------------------------------------------------------ the cache, in bytes
+@pytest.mark.parametrize("B, max_len, dtype",
+                         [(1, 512, torch.float32), (3, 17, torch.float64), (2, 5, torch.bfloat16)])
 def test_a_new_cache_holds_the_bytes_of_the_formula(B, max_len, dtype):
     cache = module(dtype=dtype, dc=12, dr=6).new_cache(B, max_len)
     per = torch.tensor([], dtype=dtype).element_size()
@@ -108,27 +114,34 @@ def test_a_new_cache_holds_the_bytes_of_the_formula(B, max_len, dtype):
 
 
 def test_the_bytes_and_rows_of_the_table_and_the_figure():
-    assert mla.latent_cache_bytes(60, 512, 64, 4096) == 283_115_520           # DeepSeek-V2, bf16: 0.28 GB
-    assert mla.latent_cache_bytes(27, 512, 64, 4096, batch=3, bytes_per_elem=4) == 27 * 576 * 4096 * 3 * 4
+    assert mla.latent_cache_bytes(60, 512, 64, 4096) == 283_115_520  # DeepSeek-V2, bf16: 0.28 GB
+    n = mla.latent_cache_bytes(27, 512, 64, 4096, batch=3, bytes_per_elem=4)
+    assert n == 27 * 576 * 4096 * 3 * 4
     rows = {kind: n for kind, n, _ in mla.cache_rows(*mla.DEEPSEEK["DeepSeek-V2"])}
     assert rows == {"MHA": 32768, "GQA-8": 2048, "MQA": 256, "MLA": 576, "MLA careless": 40960}
     assert rows["MLA"] / 128 == 4.5                       # Table 1 of the paper: (dc + dr) = 9/2 dh
 
 
-# ----------------------------------------------------------------------------- refusals, in one sentence
-@pytest.mark.parametrize("sizes, words", [((48, 4, 8, 12, 5), "d_rope=5 must be even"),
-                                          ((48, 4, 8, 12.0, 6), "d_latent=12.0 must be a whole number"),
-                                          ((48, 0, 8, 12, 6), "n_heads=0 must be a whole number of at least 1")])
+# ------------------------------------------------------------------ refusals, in one sentence
+@pytest.mark.parametrize("sizes, words", [
+    ((48, 4, 8, 12, 5), "d_rope=5 must be even"),
+    ((48, 4, 8, 12.0, 6), "d_latent=12.0 must be a whole number"),
+    ((48, 0, 8, 12, 6), "n_heads=0 must be a whole number of at least 1")])
 def test_bad_sizes_are_refused_in_one_sentence(sizes, words):
     with pytest.raises(ValueError, match=words):
         mla.LatentAttention(*sizes)
 
 
-BAD_CALLS = [   # (name, what the call gets besides the cache, error, words): the cache holds 3 of 5 tokens
-    ("overflow", torch.zeros(2, 3, 48), ValueError, "holds 3 of its 5 tokens: 3 more do not fit"),
-    ("wrong dtype", torch.zeros(2, 1, 48, dtype=torch.float64), TypeError, "torch.float64 on cpu, the module"),
-    ("wrong batch", torch.zeros(3, 1, 48), ValueError, r"the cache is \(2, 5, 18\) .* needs \(3, 5, 18\)"),
-    ("wrong width", torch.zeros(2, 1, 47), ValueError, r"d_model=48\) with B, T >= 1, got \(2, 1, 47\)"),
+# (name, what the call gets besides the cache, error, words); the cache holds 3 of 5 tokens
+BAD_CALLS = [
+    ("overflow", torch.zeros(2, 3, 48), ValueError,
+     "holds 3 of its 5 tokens: 3 more do not fit"),
+    ("wrong dtype", torch.zeros(2, 1, 48, dtype=torch.float64), TypeError,
+     "torch.float64 on cpu, the module"),
+    ("wrong batch", torch.zeros(3, 1, 48), ValueError,
+     r"the cache is \(2, 5, 18\) .* needs \(3, 5, 18\)"),
+    ("wrong width", torch.zeros(2, 1, 47), ValueError,
+     r"d_model=48\) with B, T >= 1, got \(2, 1, 47\)"),
     ("no tokens", torch.zeros(2, 0, 48), ValueError, "with B, T >= 1"),
 ]
 
@@ -147,7 +160,8 @@ def test_a_refused_call_leaves_the_cache_as_it_was(name, x, error, words):
 
 def test_a_cache_of_another_dtype_is_refused_before_it_is_written():
     attn, cache = module(), module(dtype=torch.float32).new_cache(2, 5)
-    with torch.no_grad(), pytest.raises(ValueError, match="in torch.float32 on cpu; this call needs"):
+    words = "in torch.float32 on cpu; this call needs"
+    with torch.no_grad(), pytest.raises(ValueError, match=words):
         attn(inputs(attn, T=1), cache=cache)
     assert not cache.kv.any()
 
@@ -162,7 +176,7 @@ def test_a_cached_call_under_autograd_is_refused_and_training_without_a_cache_wo
     assert attn.w_uk.weight.grad.abs().max() > 0
 
 
-# ----------------------------------------------------------------------------- the script, as a user runs it
+# ------------------------------------------------------------------ the script, as a user runs it
 @pytest.fixture(scope="module")
 def default_run(tmp_path_factory):
     """main() with the defaults and --out-dir: (exit code, what it printed, the folder)."""
@@ -175,14 +189,18 @@ def default_run(tmp_path_factory):
 def test_the_script_prints_every_check_and_writes_its_figure(default_run):
     code, out, out_dir = default_run
     assert code == 0 and out.count("  OK  (tolerance") == 5 and "CHANGED, as it must" in out
-    assert "   DeepSeek-V2           60  128  16.11 GB  1.01 GB  0.13 GB   0.28 GB       20.13 GB       56.9x" in out
-    assert out.rstrip().endswith("All checks: OK") and (out_dir / "mla_cache.png").read_bytes()[:4] == b"\x89PNG"
+    assert ("   DeepSeek-V2           60  128  16.11 GB  1.01 GB  0.13 GB   0.28 GB"
+            "       20.13 GB       56.9x") in out
+    assert out.rstrip().endswith("All checks: OK")
+    assert (out_dir / "mla_cache.png").read_bytes()[:4] == b"\x89PNG"
 
 
 def test_the_lab_notes_quote_the_real_output(default_run):
     """The lab notes quote sections 1 and 2 of a run, up to values held to a tolerance."""
     with open(os.path.join(ROOT, "LABNOTES.md")) as f:
-        quoted = f.read().split("<!-- mla-output:start -->\n```text\n")[1].split("```\n<!-- mla-output:end -->")[0]
+        notes = f.read()
+    quoted = notes.split("<!-- mla-output:start -->\n```text\n")[1]
+    quoted = quoted.split("```\n<!-- mla-output:end -->")[0]
 
     sections_1_and_2 = [text.split("\n\n3. ")[0].rstrip() for text in (quoted, default_run[1])]
     assert comparable(sections_1_and_2[0]) == comparable(sections_1_and_2[1])
@@ -190,19 +208,25 @@ def test_the_lab_notes_quote_the_real_output(default_run):
 
 def test_a_failing_check_says_fail_and_exits_1(monkeypatch, capsys, tmp_path):
     """W_UV's rows used for W_UK in the absorbed path: the run must say FAIL and exit 1."""
-    monkeypatch.setattr(mla.LatentAttention, "absorb_query",
-                        lambda self, q: q @ self.w_uv.weight.view(self.n_heads, self.d_head, self.d_latent))
+    def absorb_with_w_uv(self, q):
+        return q @ self.w_uv.weight.view(self.n_heads, self.d_head, self.d_latent)
+
+    monkeypatch.setattr(mla.LatentAttention, "absorb_query", absorb_with_w_uv)
     code, out, _ = run_main(["--out-dir", str(tmp_path)], capsys)
-    assert code == 1 and "FAIL  (tolerance 1e-12)" in out and out.rstrip().endswith("All checks: FAIL")
+    assert code == 1 and "FAIL  (tolerance 1e-12)" in out
+    assert out.rstrip().endswith("All checks: FAIL")
 
 
-@pytest.mark.parametrize("knob, value, words", [("D_ROPE", 15, "d_rope=15 must be even"),
-                                                ("SEQ_LEN", 1, "SEQ_LEN=1 must be a whole number of at least 2"),
-                                                ("GQA_KV_HEADS", 3, "GQA_KV_HEADS=3 must divide")])
-def test_a_knob_that_cannot_work_is_refused_before_anything_runs(knob, value, words, monkeypatch, capsys, tmp_path):
+@pytest.mark.parametrize("knob, value, words", [
+    ("D_ROPE", 15, "d_rope=15 must be even"),
+    ("SEQ_LEN", 1, "SEQ_LEN=1 must be a whole number of at least 2"),
+    ("GQA_KV_HEADS", 3, "GQA_KV_HEADS=3 must divide")])
+def test_a_knob_that_cannot_work_is_refused_before_anything_runs(knob, value, words, monkeypatch,
+                                                                 capsys, tmp_path):
     monkeypatch.setattr(mla, knob, value)
     code, out, err = run_main(["--out-dir", str(tmp_path / "new")], capsys)
-    assert code == 2 and out == "" and err.startswith(f"mla.py: error: {words}") and err.count("\n") == 1
+    assert code == 2 and out == "" and err.count("\n") == 1
+    assert err.startswith(f"mla.py: error: {words}")
     assert not (tmp_path / "new").exists()
 
 
@@ -214,7 +238,8 @@ def test_a_folder_that_cannot_be_made_is_one_line_before_anything_runs(capsys, t
 
 
 def test_import_has_no_side_effects(capsys, tmp_path, monkeypatch):
-    """No output, no file, and nothing seeded: a module that seeded would set torch's initial seed."""
+    """No output, no file, and nothing seeded: a module that seeded would set torch's initial
+    seed."""
     monkeypatch.chdir(tmp_path)
     before = sorted(os.listdir(ROOT))
     torch.manual_seed(12345)
