@@ -225,7 +225,7 @@ def test_the_readmes_quality_numbers_are_those_of_the_run_the_lab_notes_quote():
     with open(os.path.join(ROOT, "LABNOTES.md")) as f:
         notes = f.read()
     run = notes.split("## The default run of quality.py")[1].split("```text\n")[1].split("```")[0]
-    chapter = " ".join(readme().split("**What sharing costs:**")[1].split("![")[0].split())
+    chapter = " ".join(readme().split("**What a smaller cache costs:**")[1].split("![")[0].split())
     plus, gap = r"(\+\d\.\d{3})", r"([+-]\d\.\d{3})"          # +0.123, and a gap of either sign
     mqa = re.search(rf"\n   MQA .* {plus} \[{plus}, {plus}\]   worse than MHA", run).groups()
     assert "MQA costs {} bits per character, 95 % interval [{}, {}]".format(*mqa) in chapter
