@@ -106,7 +106,7 @@ def largest_allocation(fn):
     return max(e.self_cpu_memory_usage for e in prof.events()), {e.name for e in prof.events()}
 
 
-@pytest.mark.parametrize("kv", [4, 1])
+@pytest.mark.parametrize("kv", [8, 4, 1])
 def test_the_grouped_step_copies_no_k_or_v_and_the_textbook_does(kv):
     """A decode step of mha.attend_grouped allocates at most its scores (h x S numbers), never K
     or V; the textbook's repeat_interleave allocates K copied out to h heads (so this check can
