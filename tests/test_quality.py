@@ -64,7 +64,6 @@ def test_a_tiny_run_prints_every_table_and_trains_as_one_process_would(data, tmp
     out = capsys.readouterr().out
     table_a = out.split("A. From scratch")[1].split("B. Conversion")[0]
     assert [r[0] for r in rows(table_a)] == list(quality.CONFIGS)
-    assert "in advance, MQA, GQA-2, GQA-4" in table_a
     table_b = out.split("B. Conversion")[1].split("E. Fewer bits")[0]
     b_rows = rows(table_b)
     assert [r[:2] for r in b_rows] == [["MHA", "(control)"]] + [
@@ -307,7 +306,6 @@ def test_interval_and_verdict_on_known_numbers():
     low, high = quality.interval([0.1, 0.2, 0.3])                          # mean 0.2, sd 0.1, n 3
     assert (round(low, 3), round(high, 3)) == (-0.048, 0.448)
     assert quality.paired([0.1, 0.2, 0.3]) == "+0.200 [-0.048, +0.448]"
-    assert quality.paired([0.2]) == "+0.200"
     five = [0.01, 0.03, 0.02, 0.04, 0.05]
     assert quality.verdict(five) == "worse than MHA"
     assert quality.verdict([-v for v in five]) == "better than MHA"
