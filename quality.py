@@ -441,8 +441,8 @@ def print_table_b(curves, scratch, steps):
         done = [k for k, _ in more if None not in at[k]]   # the steps this row was trained to
         after = "".join(f"{statistics.mean(at[k]):>7.3f}" if k in done else f"{'-':>7}"
                         for k, _ in more)
-        gaps_ = [paired([a - c for a, c in zip(at[k], control[k])]) for k in done]
-        gap = "".join(f"{g:<26}" for g in gaps_) if pool != "none" else ""
+        said = [paired([a - c for a, c in zip(at[k], control[k])]) for k in done]
+        gap = "".join(f"{g:<26}" for g in said) if pool != "none" else ""
         label = "(control)" if pool == "none" else pool + " pool" * (pool == "mean")
         print(f"   {name:<7}{label:<11}{statistics.mean(at[0]):>12.3f}{after}   {gap:<52}"
               f"{statistics.mean([scratch[name][s].loss for s in seeds]):>11.3f}")
@@ -708,8 +708,8 @@ def main(argv=None):
     total = sum(len(seeds_of(name, args.seeds)) for name in CONFIGS) * args.steps
     total += len(args.seeds[:GQA_SEEDS]) * further
     estimate = total * STEP_SECONDS / WORKERS + 30        # 30 s to start, evaluate and draw
-    workers_ = f"{WORKERS} worker{'s' * (WORKERS > 1)}"
-    print(f"This run: {total:,} training steps on {workers_}, about {estimate / 60:.1f} min at "
+    worker_count = f"{WORKERS} worker{'s' * (WORKERS > 1)}"
+    print(f"This run: {total:,} training steps on {worker_count}, about {estimate / 60:.1f} min at "
           f"{STEP_SECONDS * 1e3:.0f} ms a step in each (2 quiet cores have taken 16 to 42); the "
           "progress line on stderr tells how long here", flush=True)
     start = time.perf_counter()
@@ -719,7 +719,7 @@ def main(argv=None):
     fig.savefig(os.path.join(args.out_dir, FIGURE), dpi=100)   # Agg's PNG holds no date
     print(f"\nFigure written to {os.path.join(os.path.relpath(args.out_dir), FIGURE)}")
     wall = time.perf_counter() - start
-    print(f"time: {wall / 60:.1f} min (estimated {estimate / 60:.1f}), {workers_} of 1 thread: "
+    print(f"time: {wall / 60:.1f} min (estimated {estimate / 60:.1f}), {worker_count} of 1 thread: "
           f"{wall * WORKERS / total * 1e3:.0f} ms a training step in each, all else included")
     return 0 if ok else 1
 
