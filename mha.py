@@ -256,7 +256,7 @@ def check_against_torch(n_kv_heads, seed):
     no wrong reshape could: written out against its need_weights=True path, fused against False.
     """
     T = len(SENTENCE.split())
-    print(f"\n4. Against PyTorch on one sequence of {T} tokens, fp32: max |ours - theirs|; for "
+    print(f"\n4. Against PyTorch on one sequence of {T} tokens, float32: max |ours - theirs|; for "
           "GQA/MQA\n   theirs repeats each K/V head for its query heads (to_torch)")
     torch.manual_seed(seed)
     ref = random_biases(nn.MultiheadAttention(D_MODEL, N_HEADS, batch_first=True).eval())
@@ -311,8 +311,8 @@ def check_cache(n_kv_heads, seed):
     T = len(SENTENCE.split())
     x = torch.randn(BATCH, T, D_MODEL)                     # (B, T, d)
     sizes = [T // 2, 2] + [1] * (T - T // 2 - 2)           # T = 12: [6, 2, 1, 1, 1, 1]
-    print(f"\n3. Our paths against each other, fp32: a cache fed chunks of {sizes} tokens against\n"
-          f"   one forward over all {T}, then attend_grouped against attend_textbook")
+    print(f"\n3. Our paths against each other, float32: a cache fed chunks of {sizes} tokens\n"
+          f"   against one forward over all {T}, then attend_grouped against attend_textbook")
     ok = True
     with torch.no_grad():
         full = attn(x)                                     # (B, T, d)

@@ -7,7 +7,7 @@ character-level language model built around mha.CausalMHA on Python's own docume
 interval for every comparison. What the heads of such a model do is heads.py's question.
   A. From scratch: MHA, GQA-4, GQA-2 and MQA, a seed's configurations sharing initialisation and
      batches, matched on width, not parameters (MQA has 12 % fewer). MHA and MQA train on 5 seeds,
-     81 % power to resolve MQA's cost at a pilot's point estimate; GQA-4 and GQA-2 on 3.
+     81 % power to resolve MQA's cost if it is 1.7 of its spread (LABNOTES); the others on 3.
   B. Conversion (Ainslie et al. 2023): each trained MHA of those 3 seeds becomes GQA/MQA by pooling
      its K/V heads, and trains on as A would have for 5 % more steps (20 % for mean pooling).
   E. Fewer bits: every model of A, its cached K and V in 8, 4, 3 and 2 bits (a QuantizedKVCache,
@@ -593,8 +593,8 @@ def print_answer(losses):
         tie = " (not resolved between them)" if len(answer) > 1 else ""
         print(f"      answer: {' or '.join(answer)}{tie}")
     print("   At scale, KIVI (2 bits) and KVQuant (3 bits) report nearly full-precision quality "
-          "on models of\n   dh = 128 (a scale per group costs little), GQA models among them: at "
-          "scale, both")
+          "on models of\n   dh = 64 to 128 (a scale per group costs little), GQA models among them: "
+          "at scale, both")
 
 
 def check_quantized_cache(model, data, seed, bits=4):

@@ -151,7 +151,7 @@ def test_a_cache_holds_the_bytes_of_the_formula(kv):
     assert cache.k.nbytes + cache.v.nbytes == want
 
 
-def test_kv_cache_bytes_of_the_seeds_examples():
+def test_kv_cache_bytes_of_the_reference_examples():
     assert mha.kv_cache_bytes(32, 32, 128, 4096) == 2_147_483_648    # Llama-7B shape, MHA: 2.15 GB
     assert round(mha.kv_cache_bytes(32, 1, 128, 4096) / 1e9, 2) == 0.07  # MQA: 32x less
     for kv, gb in [(64, 10.7), (8, 1.34), (1, 0.17)]:                 # Llama-2-70B: MHA, GQA-8, MQA

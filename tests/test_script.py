@@ -61,7 +61,8 @@ def test_the_committed_figures_are_what_the_code_draws(run):
 
 
 def test_the_readmes_usage_snippet_runs():
-    snippet = readme().split("```python\n")[1].split("```")[0]
+    blocks = [b.split("```")[0] for b in readme().split("```python\n")[1:]]
+    snippet = next(b for b in blocks if b.startswith("import torch, mha"))
     scope = {}
     exec(snippet, scope)                                   # noqa: S102 (the README's own code)
     assert scope["y"].shape == (1, 10, 256) and scope["y_next"].shape == (1, 1, 256)
