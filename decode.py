@@ -4,8 +4,8 @@ Llama-7B-shaped layer, on this CPU.
 
   - A model generates text one token at a time. Each new token (T = 1) attends to the keys and
     values of every token before it, kept in the KV cache (mha.py), so each step reads the whole
-    cache to do little arithmetic with it: the step waits on memory. GQA and MQA keep fewer K/V
-    heads, so they read fewer bytes a step.
+    cache to do little arithmetic with it: MHA's step waits on memory. GQA and MQA read fewer bytes
+    a step, and with few K/V heads the arithmetic can decide instead (the floor, below).
   - The run times mha.attend_grouped for MHA, GQA-8, GQA-4 and MQA at 256 to 8192 cached tokens
     against each step's roofline floor (Williams et al. 2009), from a read rate (bytes a second)
     and a FLOP rate (multiplies and adds a second) measured beside the steps, and each speed-up
