@@ -59,15 +59,11 @@ def test_swapped_heads_are_detected_and_swapping_is_its_own_inverse():
     assert mha.differences(mha.swap_query_heads(broken, 0, 1), ref, x) == [0.0, 0.0, 0.0]
 
 
-def test_to_torch_inverts_from_torch_and_widens_kv_heads_in_repeat_interleave_order():
+def test_to_torch_inverts_from_torch():
     ref = torch_mha(64, 4)
     back = mha.to_torch(mha.from_torch(ref))
     for name, t in ref.state_dict().items():
         assert torch.equal(back.state_dict()[name], t), name
-    attn = gqa_module(64, 4, 2)                            # dh 16: K rows 64..79 (k0), 80..95 (k1)
-    wide = mha.to_torch(attn).in_proj_weight               # K rows: [k0, k0, k1, k1]
-    k = attn.in_proj.weight[64:96]
-    assert torch.equal(wide[64:128], torch.cat([k[:16], k[:16], k[16:], k[16:]]))
 
 
 # ------------------------------------------------------------------ the mask, the formula, grouping
@@ -88,12 +84,6 @@ def test_the_one_head_example_is_the_readmes_by_hand():
     assert torch.allclose(o[2], torch.tensor([0.8022, 0.5989]), atol=1e-4)
 
 
-def test_the_view_and_transpose_toy_in_forward():
-    x = torch.arange(8.).view(1, 2, 4)
-    assert x.view(1, 2, 2, 2).transpose(1, 2)[0, 0].tolist() == [[0, 1], [4, 5]]
-    assert x.view(1, 2, 2, 2)[0, 0].tolist() == [[0, 1], [2, 3]]
-
-
 def test_the_textbook_is_one_head_at_a_time_with_head_i_reading_kv_head_i_over_g():
     q, k, v = torch.randn(2, 8, 5, 16), torch.randn(2, 2, 7, 16), torch.randn(2, 2, 7, 16)
     o, p = mha.attend_textbook(q, k, v)
@@ -109,22 +99,6 @@ def test_grouped_is_the_textbook_without_the_copies(kv, T, S):
     q, k, v = torch.randn(2, 8, T, 32), torch.randn(2, kv, S, 32), torch.randn(2, kv, S, 32)
     (o, p), (o_book, p_book) = mha.attend_grouped(q, k, v), mha.attend_textbook(q, k, v)
     assert (o - o_book).abs().max() <= mha.TOLERANCE and (p - p_book).abs().max() <= mha.TOLERANCE
-
-
-def test_weights_are_causal_distributions_and_the_future_does_not_change_the_past():
-    attn = gqa_module(*DEMO, 2).eval()
-    x = torch.randn(2, T_DEMO, mha.D_MODEL)
-    with torch.no_grad():
-        y, p = attn(x, need_weights=True)
-        y_changed = attn(torch.cat([x[:, :7], torch.randn(2, T_DEMO - 7, mha.D_MODEL)], dim=1))
-    assert torch.allclose(p.sum(-1), torch.ones(2, 8, T_DEMO))
-    assert (p.masked_select(mha.causal_mask(T_DEMO, T_DEMO) < 0) == 0).all()
-    assert (y[:, :7] - y_changed[:, :7]).abs().max() <= mha.TOLERANCE
-    assert (y[:, 7:] - y_changed[:, 7:]).abs().max() > 0.01
-
-
-def test_attention_kind_names_the_kv_heads():
-    assert [mha.attention_kind(32, kv) for kv in (32, 8, 4, 1)] == ["MHA", "GQA-8", "GQA-4", "MQA"]
 
 
 # ------------------------------------------------------------------ the cache
@@ -151,11 +125,8 @@ def test_a_cache_holds_the_bytes_of_the_formula(kv):
     assert cache.k.nbytes + cache.v.nbytes == want
 
 
-def test_kv_cache_bytes_of_the_reference_examples():
-    assert mha.kv_cache_bytes(32, 32, 128, 4096) == 2_147_483_648    # Llama-7B shape, MHA: 2.15 GB
-    assert round(mha.kv_cache_bytes(32, 1, 128, 4096) / 1e9, 2) == 0.07  # MQA: 32x less
-    for kv, gb in [(64, 10.7), (8, 1.34), (1, 0.17)]:                 # Llama-2-70B: MHA, GQA-8, MQA
-        assert round(mha.kv_cache_bytes(80, kv, 128, 4096) / 1e9, 2 if gb < 10 else 1) == gb
+def test_kv_cache_bytes_of_its_docstring_example():
+    assert mha.kv_cache_bytes(32, 32, 128, 4096) == 2_147_483_648    # Llama-7B shape, 16-bit
 
 
 # ------------------------------------------------------------------ refusals, before any write
