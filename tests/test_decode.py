@@ -2,18 +2,16 @@
 step's parts, a tiny run. Untimed."""
 import io
 import os
-import subprocess
-import sys
 import time
 
 import pytest
 import torch
+from conftest import ROOT, run_script
 from torch.profiler import ProfilerActivity, profile
 
 import decode
 import mha
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KINDS = [("MHA", 32), ("GQA-8", 8), ("GQA-4", 4), ("MQA", 1)]   # Llama-7B's 32 query heads
 
 
@@ -172,9 +170,8 @@ def test_the_parts_timed_are_the_step_s_own(kv):
 
 # ------------------------------------------------------------------ the script
 def test_help():
-    done = subprocess.run([sys.executable, os.path.join(ROOT, "decode.py"), "--help"], check=True,
-                          capture_output=True, text=True)
-    assert "--out-dir" in done.stdout and done.stderr == ""
+    r = run_script(os.path.join(ROOT, "decode.py"), "--help")
+    assert r.returncode == 0 and "--out-dir" in r.stdout and r.stderr == "", r.stderr
 
 
 def test_an_out_dir_that_cannot_be_made_ends_in_one_line_before_any_timing(tmp_path, capsys,
