@@ -123,7 +123,7 @@ def attend_grouped(q, k, v):
     # q * sqrt(1 / dh) is the formula's / sqrt(dh), done first, in PyTorch's order.
     scores = torch.einsum("bnite,bnse->bnits", q * math.sqrt(1.0 / dh), k)   # (B, kv, g, T, S)
     if T > 1:                                              # one new token may see every key
-        scores = scores + causal_mask(T, S, q.dtype)       # (T, S) for every b, n, i
+        scores += causal_mask(T, S, q.dtype)               # in place: (T, S) for every b, n, i
     p = scores.softmax(dim=-1)                             # (B, kv, g, T, S)
     o = torch.einsum("bnits,bnse->bnite", p, v)            # (B, kv, g, T, dh)
     # einsum returns o and p in one piece, so view can merge (kv, g) back into h: head n*g + i.
