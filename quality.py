@@ -17,9 +17,8 @@ Not the cost at scale (d=64, two layers, minutes of training); no dropout, GPU o
 Run it:   python quality.py           (6 min on 2 quiet cores, up to 13 when busy; writes figures/)
           python quality.py --quick   (half a minute: a smoke run to try an edit; resolves nothing)
 
-Papers (arXiv): Vaswani et al. 2017, 1706.03762; Shazeer 2019 (MQA), 1911.02150; Ainslie et al.
-2023 (GQA), 2305.13245; KIVI (Liu et al. 2024), 2402.02750; KVQuant (Hooper et al. 2024),
-2401.18079.
+Papers (arXiv): Vaswani et al. 2017, 1706.03762; Shazeer 2019, 1911.02150; Ainslie et al. 2023,
+2305.13245; KIVI, Liu et al. 2024, 2402.02750; KVQuant, Hooper et al. 2024, 2401.18079.
 Shapes as in mha.py, and T characters in a window, V distinct characters (the vocabulary).
 """
 
@@ -119,9 +118,9 @@ class Block(nn.Module):
                                  nn.Linear(MLP_WIDTH, D_MODEL))
 
     def forward(self, x, need_weights=False, cache=None):  # x: (B, T, d); p: (B, h, T, T) or None
-        # Training runs the fused call: faster, the same function as the written-out one.
-        a, p = (self.attn(self.ln1(x), need_weights=True) if need_weights
-                else (self.attn(self.ln1(x), cache=cache, fused=True), None))
+        # Training runs the fused call (faster, the same function); the weights need the other.
+        out = self.attn(self.ln1(x), need_weights=need_weights, cache=cache, fused=not need_weights)
+        a, p = out if need_weights else (out, None)
         x = x + a
         return x + self.mlp(self.ln2(x)), p                # (B, T, d)
 
@@ -488,7 +487,8 @@ def unpack(packed, bits):
     """pack's inverse: uint8 (..., G * bits / 8) -> int8 codes (..., G)."""
     stream = (packed.long()[..., None] >> torch.arange(8)) & 1   # (..., G * bits / 8, 8): bits
     stream = stream.flatten(-2).unflatten(-1, (-1, bits))  # -> (..., G, bits): a code's bits
-    return ((stream << torch.arange(bits)).sum(-1) - (2 ** (bits - 1) - 1)).to(torch.int8)
+    u = (stream << torch.arange(bits)).sum(-1)             # (..., G): 0 .. 2 qmax
+    return (u - (2 ** (bits - 1) - 1)).to(torch.int8)      # shifted back down by qmax
 
 
 class QuantizedKVCache:
@@ -521,10 +521,11 @@ class QuantizedKVCache:
 
 def quantized_caches(model, batch, bits):
     """An empty QuantizedKVCache for each block of model, room for a window; None for bits None."""
+    if bits is None:
+        return None
     like = {"dtype": model.readout.weight.dtype, "device": model.readout.weight.device}
-    return None if bits is None else [QuantizedKVCache(batch, b.attn.n_kv_heads, CONTEXT,
-                                                       b.attn.d_head, bits, **like)
-                                      for b in model.blocks]
+    return [QuantizedKVCache(batch, b.attn.n_kv_heads, CONTEXT, b.attn.d_head, bits, **like)
+            for b in model.blocks]
 
 
 def run_fewer_bits(scratch, data, run):
@@ -592,9 +593,8 @@ def print_answer(losses):
             print(f"      {missing + ':':<13}none fits")
         tie = " (not resolved between them)" if len(answer) > 1 else ""
         print(f"      answer: {' or '.join(answer)}{tie}")
-    print("   At scale, KIVI (2 bits) and KVQuant (3 bits) report nearly full-precision quality "
-          "on models of\n   dh = 64 to 128 (a scale per group costs little), GQA models among them: "
-          "at scale, both")
+    print("   At scale, KIVI (2 bits) and KVQuant (3 bits) report near full-precision quality on\n"
+          "   models of dh = 64 to 128 (a scale per group costs little), GQA models too: both")
 
 
 def check_quantized_cache(model, data, seed, bits=4):
