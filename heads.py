@@ -228,7 +228,7 @@ def pruning_curve(model, data):
 
 def can_go(rises):
     """How many heads go before the rise's interval first reaches above ALLOWED_RISE."""
-    tops = [(quality.interval(block_means(r)) or (0.0, 0.0))[1] for r in rises]
+    tops = [quality.interval(block_means(r))[1] for r in rises]   # 8 block means each
     return next((k - 1 for k, top in enumerate(tops) if top > ALLOWED_RISE), len(rises) - 1)
 
 
@@ -292,7 +292,7 @@ def plot_curve(order, rises, steps, covered):
     ax = fig.subplots()
     left = [len(order) - k for k in range(len(rises))]
     means = [statistics.mean(block_means(r)) for r in rises]
-    cis = [quality.interval(block_means(r)) or (m, m) for r, m in zip(rises, means)]
+    cis = [quality.interval(block_means(r)) for r in rises]
     below = [m - low for m, (low, _) in zip(means, cis)]
     above = [high - m for m, (_, high) in zip(means, cis)]
     ax.errorbar(left, means, yerr=[below, above], marker="o", capsize=3)
