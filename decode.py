@@ -214,13 +214,7 @@ def print_gpu(S=8192):
 
 # ------------------------------------------------------------------ main
 def main(argv=None):
-    args = parse_args(argv)
-    try:
-        os.makedirs(args.out_dir, exist_ok=True)       # before any timing
-    except OSError as e:
-        print(f"decode.py: error: --out-dir {args.out_dir} cannot be made: {e.strerror}",
-              file=sys.stderr)
-        return 2
+    args = parse_args(argv)        # a bad flag or --out-dir ends here, before any timing
     print(f"One decode step (T = 1) of a Llama-7B-shaped layer's attention: {mha.LLAMA_HEADS} "
           f"query heads, dh {mha.LLAMA_D_HEAD}, fp32, batch 1,\non {machine_name()}; each time the "
           f"best of {ROUNDS} interleaved rounds (several seconds).")
@@ -385,10 +379,16 @@ def seconds_elsewhere():
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.strip().split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="decode.py",
+                                     description=__doc__.strip().split("\n\n")[0])
     parser.add_argument("--out-dir", default=OUT_DIR,
                         help="folder for decode_time.png (default: figures/)")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    try:
+        os.makedirs(args.out_dir, exist_ok=True)
+    except OSError as e:
+        parser.exit(2, f"decode.py: error: --out-dir {args.out_dir} cannot be made: {e.strerror}\n")
+    return args
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ import time
 
 import pytest
 import torch
-from conftest import ROOT, run_script
+from conftest import ROOT, run_main, run_script
 from torch.profiler import ProfilerActivity, profile
 
 import decode
@@ -179,9 +179,8 @@ def test_an_out_dir_that_cannot_be_made_ends_in_one_line_before_any_timing(tmp_p
     monkeypatch.setattr(decode, "measure", lambda *args: pytest.fail("timed before the folder"))
     (tmp_path / "a_file").write_text("")
     bad = str(tmp_path / "a_file" / "figures")
-    assert decode.main(["--out-dir", bad]) == 2
-    out, err = capsys.readouterr()
-    assert out == "" and err.count("\n") == 1 and bad in err, err
+    code, out, err = run_main(decode.main, ["--out-dir", bad], capsys)
+    assert code == 2 and out == "" and err.count("\n") == 1 and bad in err, err
 
 
 def test_a_tiny_run_prints_its_tables_and_draws_its_figure(tmp_path, capsys, monkeypatch):
